@@ -1,0 +1,407 @@
+"""medusa-mini: a small GPT, Medusa heads, and tree-verified decoding (Cai, Dao et al., 2024).
+
+Read next to the paper and ../shared/MEDUSA_NOTES.md. Shapes: B batch, T new tokens, S committed
+tokens, C = n_embd, nh heads of size hs = C // nh, V vocab, K Medusa heads, N tree nodes,
+P root-to-leaf paths, L = tree depth + 1.
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tree import TreeBuffers, build_tree_buffers, gather_paths, generate_candidates
+
+
+# ----------------------------------------------------------------------------------------------
+# The base model: a GPT-2 style decoder whose attention takes an explicit mask, positions and cache
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 2048  # tokens in the tokenizer
+    block_size: int = 256   # longest sequence: the size of the position table
+    n_layer: int = 4        # transformer blocks
+    n_head: int = 4         # attention heads per block
+    n_embd: int = 256       # width of the residual stream
+
+
+class KVCache:
+    """Keys and values of every committed token, for every layer.
+
+    Preallocated, not concatenated: rejecting draft tokens is then just "do not advance `length`"
+    (as in gpt-fast), and keeping the accepted tree path is one indexed copy. During a forward
+    each layer writes its T new entries after the `length` committed ones; `advance(T)` then
+    counts them. `extra` slots beyond block_size hold the tree nodes being verified.
+    """
+
+    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32):
+        hs = config.n_embd // config.n_head
+        shape = (config.n_layer, 1, config.n_head, config.block_size + extra, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B=1, nh, capacity, hs)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # committed entries
+
+    def append(self, layer: int, k, v):
+        """Write new entries after the committed ones; return all keys and values (B, nh, length+T, hs)."""
+        end = self.length + k.size(2)
+        if end > self.k.size(3):
+            raise ValueError(f"KV cache full: {end} entries asked for, capacity {self.k.size(3)}")
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int):
+        """Count the n entries the last forward appended as committed."""
+        self.length += n
+
+    def keep(self, start: int, indices):
+        """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start."""
+        src = start + indices  # (n,)
+        self.k[:, :, :, start:start + len(indices)] = self.k[:, :, :, src]
+        self.v[:, :, :, start:start + len(indices)] = self.v[:, :, :, src]
+        self.length = start + len(indices)
+
+    def rollback(self, length: int):
+        """Forget every entry after the first `length` (the slots are simply overwritten later)."""
+        self.length = length
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x, mask, cache: KVCache | None, layer: int):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)                             # (B, T, 3C) -> 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))                                        # (B, T, C) -> (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)                                  # (B, nh, S+T, hs)
+        if mask is None:  # training: plain causal attention, the fused kernel
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:             # decoding: mask (T, S+T), True = may attend
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)       # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)                      # (B, nh, T, hs) -> (B, T, C)
+        return self.c_proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
+                                 nn.Linear(4 * config.n_embd, config.n_embd))
+
+    def forward(self, x, mask, cache, layer):
+        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2 and nanoGPT
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None):
+        """Last hidden states h (B, T, C), after the final layer norm.
+
+        idx (B, T) new tokens. With a cache they sit after its S committed entries.
+        position_ids (T,): default S, S+1, ... (a tree passes depth + S).
+        attn_mask (T, T) bool among the new tokens (a tree passes its mask); default causal.
+        Every new token also sees all S committed tokens."""
+        B, T = idx.shape
+        S = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(S, S + T, device=idx.device)
+        if int(position_ids.max()) >= self.config.block_size:
+            raise ValueError(f"position {int(position_ids.max())} is past block_size={self.config.block_size}")
+        mask = None
+        if cache is not None or attn_mask is not None:
+            if attn_mask is None:
+                attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            committed = torch.ones(T, S, dtype=torch.bool, device=idx.device)
+            mask = torch.cat([committed, attn_mask], dim=1)             # (T, S+T)
+        x = self.wte(idx) + self.wpe(position_ids)                      # (B, T, C)
+        for layer, block in enumerate(self.h):
+            x = block(x, mask, cache, layer)
+        if cache is not None:
+            cache.advance(T)
+        return self.ln_f(x)
+
+    def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
+        """Next-token logits (B, T, V)."""
+        return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
+
+
+# ----------------------------------------------------------------------------------------------
+# NEW in Medusa: extra heads that guess tokens further ahead from the same hidden state
+
+class MedusaHead(nn.Module):
+    """logits_k = W2 (h + SiLU(W1 h + b1)). With W1 = 0 and b1 = 0 it is exactly the base lm_head."""
+
+    def __init__(self, base: GPT):
+        super().__init__()
+        C, V = base.config.n_embd, base.config.vocab_size
+        self.residual = nn.Linear(C, C)
+        self.proj = nn.Linear(C, V, bias=False)
+        nn.init.zeros_(self.residual.weight)
+        nn.init.zeros_(self.residual.bias)  # the reference leaves the bias random: heads would not be exact
+        with torch.no_grad():
+            self.proj.weight.copy_(base.lm_head.weight)
+
+    def forward(self, h):
+        return self.proj(h + F.silu(self.residual(h)))  # (..., C) -> (..., V)
+
+
+class MedusaModel(nn.Module):
+    """A GPT (`base`) plus K heads; head k (1-based) at position t scores token t+k+1."""
+
+    def __init__(self, base: GPT, num_heads: int = 5):
+        super().__init__()
+        self.base = base
+        self.heads = nn.ModuleList([MedusaHead(base) for _ in range(num_heads)])
+
+    def head_logits(self, h):
+        return torch.stack([head(h) for head in self.heads])  # (..., C) -> (K, ..., V)
+
+    def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
+        """(base_logits (B, T, V), head_logits (K, B, T, V))."""
+        h = self.base.hidden(idx, position_ids, attn_mask, cache)
+        return self.base.lm_head(h), self.head_logits(h)
+
+
+def medusa_loss(head_logits, targets, decay: float = 0.8):
+    """Medusa-1 loss sum_k decay^k CE_k: head k at position t is trained on token t+k+1.
+
+    head_logits (K, B, T, V); targets (B, T), the next tokens (targets[:, t] = token t+1).
+    So head k (1-based) at position t is scored against targets[:, t+k]. Returns (loss, per-head losses)."""
+    K, B, T, V = head_logits.shape
+    losses = []
+    for k in range(1, K + 1):
+        logits = head_logits[k - 1, :, :T - k]                          # (B, T-k, V)
+        losses.append(F.cross_entropy(logits.reshape(-1, V), targets[:, k:].reshape(-1)))
+    loss = sum(decay ** k * l for k, l in enumerate(losses, start=1))
+    return loss, torch.stack(losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain decoding: the reference every fast path is checked against
+
+def _check_request(model, idx, max_new_tokens, temperature):
+    base = model.base if isinstance(model, MedusaModel) else model
+    if idx.dim() != 2 or idx.size(0) != 1 or idx.size(1) == 0:
+        raise ValueError(f"idx must be a non-empty prompt of shape (1, S), got {tuple(idx.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if idx.size(1) + max_new_tokens > base.config.block_size:
+        raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
+                         f"does not fit in block_size={base.config.block_size}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return base
+
+
+def sample_token(logits, temperature: float = 0.0, top_k: int | None = None):
+    """One token from logits (V,): argmax when temperature == 0, else a draw from softmax(logits / T)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits.float(), dim=-1), 1)[0]
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None):
+    """Plain KV-cached decoding, one token per forward: (1, S) -> (1, S + max_new_tokens).
+
+    Takes a GPT or a MedusaModel (then only its base is used)."""
+    base = _check_request(model, idx, max_new_tokens, temperature)
+    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype)
+    logits = base(idx, cache=cache)[0, -1]                     # prefill: (1, S, V) -> (V,)
+    new = []
+    for i in range(max_new_tokens):
+        new.append(sample_token(logits, temperature, top_k))
+        if i + 1 < max_new_tokens:
+            logits = base(new[-1].view(1, 1), cache=cache)[0, -1]  # (1, 1, V) -> (V,)
+    return torch.cat([idx, torch.stack(new).view(1, -1)], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Medusa decoding. One step = four named phases, as in the paper and the reference:
+#   1. generate_candidates (tree.py)  2. tree_decoding  3. evaluate_posterior  4. update_inputs
+
+@dataclass
+class DecodeState:
+    """What a step needs: the committed tokens, their cache, and the logits at the last one."""
+    tokens: torch.Tensor       # (1, S) committed tokens
+    cache: KVCache             # S entries
+    logits: torch.Tensor       # (V,) base logits at the last committed position
+    head_logits: torch.Tensor  # (K, V) Medusa head logits there
+    root: torch.Tensor | None = None  # exact sampling: the next root, already drawn
+
+
+@dataclass
+class MedusaStats:
+    steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # per step: tokens accepted after the root
+    token_depths: list[int] = field(default_factory=list)    # per new token: 0 = root, k = head k
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per verification step, the root (bonus) token included."""
+        return len(self.token_depths) / max(self.steps, 1)
+
+
+def prefill(model: MedusaModel, idx, extra: int = 0) -> DecodeState:
+    """Run the prompt (1, S) once; keep its cache and the logits at its last position."""
+    base = model.base
+    cache = KVCache(base.config, extra=extra, device=idx.device, dtype=base.lm_head.weight.dtype)
+    h = base.hidden(idx, cache=cache)[0, -1]  # (1, S, C) -> (C,)
+    return DecodeState(idx, cache, base.lm_head(h), model.head_logits(h))
+
+
+def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: KVCache):
+    """Step 2: one forward over all N tree nodes on top of the cached prefix.
+
+    Returns hidden states (N, C) and base logits (N, V); logits[n] predicts the token after node n."""
+    position_ids = buffers.position_ids + cache.length                      # (N,): depth + S
+    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_mask, cache)[0]  # (N, C)
+    return h, model.base.lm_head(h)
+
+
+def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_threshold: float = 0.09,
+                       posterior_alpha: float = 0.3, path_lengths=None):
+    """Step 3: the best candidate row and how many of its tokens after the root are accepted.
+
+    logits (P, L, V): logits[r, j] predicts token j+1 of row r. candidates (P, L), padded with -1.
+    path_lengths (P,): real tokens per row, root included (default: the non-negative entries).
+    Greedy (temperature 0): accept while the token is the argmax; best = first longest row.
+    Typical: accept while p(token) > min(epsilon, alpha * exp(-H)); among the longest rows the
+    best has the largest sum of log p over its accepted tokens. Returns (best_row, accept_length) ints."""
+    P, L = candidates.shape
+    if logits.shape[:2] != (P, L):
+        raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")
+    if path_lengths is None:
+        path_lengths = (candidates >= 0).sum(1)
+    drafts = candidates[:, 1:]                                                # (P, L-1)
+    real = torch.arange(L - 1, device=candidates.device) < (path_lengths - 1)[:, None]  # (P, L-1)
+    if temperature == 0:
+        ok = drafts == logits[:, :-1].argmax(-1)                              # (P, L-1)
+    else:
+        p = F.softmax(logits[:, :-1].float() / temperature, dim=-1)           # (P, L-1, V)
+        entropy = torch.special.entr(p).sum(-1)                               # (P, L-1), 0 log 0 = 0
+        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+        p_draft = p.gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (P, L-1)
+        ok = p_draft > threshold
+    accepted = torch.cumprod((ok & real).int(), dim=1)                        # (P, L-1): leading run
+    lengths = accepted.sum(1)                                                 # (P,)
+    accept_length = int(lengths.max())
+    if temperature == 0 or accept_length == 0:
+        return int(lengths.argmax()), accept_length  # argmax returns the first maximal row
+    score = (torch.log(p_draft) * accepted).sum(1)                            # (P,)
+    score = score.masked_fill(lengths < accept_length, float("-inf"))
+    return int(score.argmax()), accept_length
+
+
+def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: float):
+    """Exact sampling: from the root, draw x ~ softmax(logits[node] / T); step into the child whose
+    token is x, else stop. Returns (walked node indices, x drawn at the stopping node = next root)."""
+    node, walked = 0, [0]
+    while True:
+        x = sample_token(logits[node], temperature)
+        child = next((c for c in buffers.children[node] if tree_tokens[c] == x), None)
+        if child is None:
+            return walked, x
+        node = child
+        walked.append(node)
+
+
+def update_inputs(model: MedusaModel, state: DecodeState, nodes, tree_tokens, h, logits):
+    """Step 4: commit the accepted nodes' tokens, keep their cache entries in contiguous slots,
+    and take the next logits from the last accepted node (no extra forward)."""
+    S = state.tokens.size(1)
+    state.tokens = torch.cat([state.tokens, tree_tokens[nodes].view(1, -1)], dim=1)  # (1, S+a+1)
+    state.cache.keep(S, nodes)
+    state.logits = logits[nodes[-1]]                   # (V,)
+    state.head_logits = model.head_logits(h[nodes[-1]])  # (C,) -> (K, V)
+
+
+def medusa_step(model, state: DecodeState, buffers: TreeBuffers, temperature=0.0, sampling="typical",
+                posterior_threshold=0.09, posterior_alpha=0.3):
+    """One verification step; commits accept + 1 tokens and returns (accepted nodes, accept_length)."""
+    exact = temperature > 0 and sampling == "exact"
+    tree_tokens, candidates = generate_candidates(state.logits, state.head_logits, buffers,   # 1
+                                                  root=state.root if exact else None)
+    h, logits = tree_decoding(model, tree_tokens, buffers, state.cache)                      # 2
+    if exact:                                                                                # 3
+        walked, state.root = sample_tree_walk(logits, tree_tokens, buffers, temperature)
+        nodes = torch.tensor(walked, device=logits.device)
+    else:
+        best, accept = evaluate_posterior(gather_paths(logits, buffers), candidates, temperature,
+                                          posterior_threshold, posterior_alpha, buffers.path_lengths)
+        nodes = buffers.retrieve_indices[best, :accept + 1]
+    update_inputs(model, state, nodes, tree_tokens, h, logits)                               # 4
+    return nodes, len(nodes) - 1
+
+
+@torch.no_grad()
+def medusa_generate(model: MedusaModel, idx, max_new_tokens: int, choices, temperature: float = 0.0,
+                    sampling: str = "typical", posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
+    """Medusa decoding: (1, S) -> ((1, S + max_new_tokens), MedusaStats).
+
+    temperature 0: greedy acceptance, output identical to generate(). temperature > 0: sampling
+    "typical" (the paper's typical acceptance, fast but not the model's distribution) or "exact"
+    (the lossless tree walk: the same distribution as generate() at that temperature)."""
+    base = _check_request(model, idx, max_new_tokens, temperature)
+    if sampling not in ("typical", "exact"):
+        raise ValueError(f"sampling must be 'typical' or 'exact', got {sampling!r}")
+    full = build_tree_buffers(choices)
+    if full.depth > len(model.heads):
+        raise ValueError(f"the tree is {full.depth} deep but the model has only {len(model.heads)} heads")
+    if full.topk > base.config.vocab_size:
+        raise ValueError(f"the tree asks for rank {full.topk - 1} but the vocabulary has {base.config.vocab_size} tokens")
+    # The tree cut to each depth, so a step near the end never commits or positions past the limit.
+    trees = {d: build_tree_buffers([p for p in full.node_paths[1:] if len(p) <= d]).to(idx.device)
+             for d in range(1, full.depth + 1)}
+
+    state = prefill(model, idx, extra=len(full.node_paths))
+    if temperature > 0 and sampling == "exact":
+        state.root = sample_token(state.logits, temperature)
+    stats, end = MedusaStats(), idx.size(1) + max_new_tokens
+    while state.tokens.size(1) < end:
+        depth = min(full.depth, end - state.tokens.size(1) - 1)  # end <= block_size, so positions fit
+        if depth == 0:  # one token left: the root alone, nothing to verify
+            root = state.root if state.root is not None else state.logits.argmax(-1)
+            state.tokens = torch.cat([state.tokens, root.view(1, 1)], dim=1)
+            stats.steps += 1
+            stats.accept_lengths.append(0)
+            stats.token_depths.append(0)
+            break
+        buffers = trees[depth]
+        nodes, accept = medusa_step(model, state, buffers, temperature, sampling,
+                                    posterior_threshold, posterior_alpha)
+        stats.steps += 1
+        stats.accept_lengths.append(accept)
+        stats.token_depths.extend(buffers.position_ids[nodes].tolist())
+    return state.tokens, stats

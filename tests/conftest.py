@@ -1,0 +1,58 @@
+"""Shared tiny models. Tests run on one thread: on a 2-core machine two torch threads beside
+another busy process run far slower than one."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(1)
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
+
+
+def tiny_config(**kw):
+    cfg = dict(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    cfg.update(kw)
+    return GPTConfig(**cfg)
+
+
+def random_medusa(seed=0, num_heads=4, **kw):
+    """An untrained model whose heads are perturbed away from zero-init, so they disagree with the base."""
+    torch.manual_seed(seed)
+    model = MedusaModel(GPT(tiny_config(**kw)), num_heads=num_heads)
+    with torch.no_grad():
+        for head in model.heads:
+            head.residual.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+PERIOD = [3, 17, 5, 29, 11, 2, 23, 8, 14]  # distinct tokens: the current token determines the future
+
+
+def periodic_batch(batch, length, generator):
+    starts = torch.randint(0, len(PERIOD), (batch,), generator=generator)
+    seq = torch.tensor(PERIOD)
+    return torch.stack([seq[(s + torch.arange(length + 1)) % len(PERIOD)] for s in starts])
+
+
+@pytest.fixture(scope="session")
+def periodic_model():
+    """Base and heads trained for a few seconds on a periodic sequence: heads are accurate, so
+    Medusa steps commit several tokens."""
+    torch.manual_seed(0)
+    model = MedusaModel(GPT(tiny_config()), num_heads=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        xy = periodic_batch(16, 32, g)
+        x, y = xy[:, :-1], xy[:, 1:]
+        base_logits, head_logits = model(x)
+        loss = torch.nn.functional.cross_entropy(base_logits.flatten(0, 1), y.flatten())
+        loss = loss + medusa_loss(head_logits, y)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -1,0 +1,125 @@
+"""The GPT, its KV cache and the Medusa heads (medusa_mini.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_medusa, tiny_config
+from medusa_mini import GPT, KVCache, MedusaModel, generate, medusa_loss, medusa_step, prefill
+from tree import build_tree_buffers, dense_tree
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(n_layer=1, n_head=1, n_embd=16, vocab_size=7),
+                                 dict(n_layer=3, n_head=4, n_embd=64, vocab_size=100)])
+@pytest.mark.parametrize("T", [1, 5, 17])
+def test_zero_init_heads_equal_base_exactly(cfg, T):
+    """At initialisation every head's logits are torch.equal to the base logits (W1 = 0 and b1 = 0)."""
+    torch.manual_seed(T)
+    model = MedusaModel(GPT(tiny_config(**cfg)), num_heads=5).eval()
+    idx = torch.randint(0, model.base.config.vocab_size, (2, T))
+    base_logits, head_logits = model(idx)
+    assert head_logits.shape == (5, 2, T, model.base.config.vocab_size)
+    for k in range(5):
+        assert torch.equal(head_logits[k], base_logits)
+    assert model.heads[0] is not model.heads[1]  # a comprehension, not [head] * n
+
+
+def test_medusa_loss_targets_token_t_plus_k_plus_1():
+    """On the sequence 0, 1, 2, ... head k at position t must score token t+k+1: loss ~0 there, large when shifted."""
+    K, T, V = 3, 10, 20
+    x = torch.arange(T + 1)
+    targets = x[1:].view(1, T)  # targets[:, t] = token t+1
+
+    def confident(offset):  # head k (1-based) at position t puts all its mass on token t+k+offset
+        logits = torch.full((K, 1, T, V), -30.0)
+        for k in range(1, K + 1):
+            for t in range(T):
+                logits[k - 1, 0, t, min(t + k + offset, V - 1)] = 30.0
+        return logits
+
+    loss, per_head = medusa_loss(confident(1), targets)
+    assert per_head.shape == (K,) and per_head.max() < 1e-6
+    assert medusa_loss(confident(0), targets)[1].min() > 10
+    assert medusa_loss(confident(2), targets)[1].min() > 10
+
+
+def test_cached_forward_equals_uncached():
+    """Prefill + one token at a time through the KV cache gives the plain causal forward's logits."""
+    model = random_medusa().base
+    idx = torch.randint(0, 32, (1, 20))
+    full = model(idx)[0]
+    cache = KVCache(model.config)
+    steps = [model(idx[:, :8], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=0)
+
+
+CHAIN = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+IRREGULAR = [(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0), (0, 1, 0), (0, 1, 1), (0, 1, 1, 0)]
+
+
+@pytest.mark.parametrize("choices", [dense_tree([2, 3]), dense_tree([3, 2, 2]), CHAIN, IRREGULAR])
+@pytest.mark.parametrize("prefix", [0, 7])
+def test_tree_forward_equals_per_path_forward(choices, prefix):
+    """Logits at every tree node equal those of running its root-to-node path with a plain causal forward."""
+    torch.manual_seed(prefix)
+    model = random_medusa().base
+    b = build_tree_buffers(choices)
+    tokens = torch.randint(0, 32, (len(b.node_paths),))
+    committed = torch.randint(0, 32, (1, prefix))
+    cache = KVCache(model.config, extra=len(tokens))
+    if prefix:
+        model(committed, cache=cache)
+    tree_logits = model(tokens.view(1, -1), b.position_ids + prefix, b.attn_mask, cache)[0]  # (N, V)
+    index = {p: i for i, p in enumerate(b.node_paths)}
+    for i, path in enumerate(b.node_paths):
+        path_tokens = tokens[[index[path[:k]] for k in range(len(path) + 1)]].view(1, -1)
+        plain = model(torch.cat([committed, path_tokens], dim=1))[0, -1]
+        torch.testing.assert_close(tree_logits[i], plain, atol=1e-5, rtol=0)
+
+
+def test_cache_keep_and_rollback():
+    """keep() moves the chosen newest entries into contiguous slots; rollback() forgets entries."""
+    cfg = tiny_config(n_layer=1, n_head=1, n_embd=4)
+    cache = KVCache(cfg, extra=4)
+    for t in range(6):
+        entry = torch.full((1, 1, 1, 4), float(t))
+        cache.append(0, entry, entry)
+        cache.advance(1)
+    cache.keep(2, torch.tensor([0, 2, 3]))  # keep entries 2, 4, 5 after the first two
+    assert cache.length == 5
+    assert cache.k[0, 0, 0, :5, 0].tolist() == [0, 1, 2, 4, 5]
+    cache.rollback(3)
+    keys, _ = cache.append(0, torch.full((1, 1, 1, 4), 9.0), torch.zeros(1, 1, 1, 4))
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 9]
+    with pytest.raises(ValueError, match="full"):
+        cache.append(0, torch.zeros(1, 1, 70, 4), torch.zeros(1, 1, 70, 4))
+
+
+@pytest.mark.parametrize("temperature, sampling", [(0.0, "typical"), (0.8, "typical"), (0.8, "exact")])
+def test_cache_after_medusa_steps_equals_plain_decoding(periodic_model, temperature, sampling):
+    """After any number of steps the cache holds exactly the entries plain decoding builds for the committed tokens."""
+    torch.manual_seed(1)
+    model = periodic_model
+    b = build_tree_buffers(dense_tree([2, 2, 1]))
+    state = prefill(model, torch.tensor([[3, 17, 5]]), extra=len(b.node_paths))
+    if sampling == "exact":
+        state.root = state.logits.argmax()
+    for _ in range(5):
+        medusa_step(model, state, b, temperature, sampling)
+        S = state.tokens.size(1)
+        plain = KVCache(model.base.config)
+        model.base(state.tokens[:, :3], cache=plain)
+        for t in range(3, S):
+            model.base(state.tokens[:, t:t + 1], cache=plain)
+        assert state.cache.length == plain.length == S
+        torch.testing.assert_close(state.cache.k[:, :, :, :S], plain.k[:, :, :, :S], atol=1e-5, rtol=0)
+        torch.testing.assert_close(state.cache.v[:, :, :, :S], plain.v[:, :, :, :S], atol=1e-5, rtol=0)
+        torch.testing.assert_close(state.logits, model.base(state.tokens)[0, -1], atol=1e-5, rtol=0)
+
+
+def test_positions_past_the_table_raise():
+    """Nothing indexes past the position table: a clear error instead of an index error inside torch."""
+    model = random_medusa().base
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="does not fit"):
+        generate(model, torch.zeros(1, 60, dtype=torch.long), 5)
