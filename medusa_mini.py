@@ -33,12 +33,13 @@ class KVCache:
     (as in gpt-fast), and keeping the accepted tree path is one indexed copy. During a forward
     each layer writes its T new entries after the `length` committed ones; `advance(T)` then
     counts them. `extra` slots beyond block_size hold the tree nodes being verified.
+    Medusa decoding uses batch 1; a batch of B rows (same length) serves plain sampling.
     """
 
-    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32):
+    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1):
         hs = config.n_embd // config.n_head
-        shape = (config.n_layer, 1, config.n_head, config.block_size + extra, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B=1, nh, capacity, hs)
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size + extra, hs)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nh, capacity, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # committed entries
 
@@ -180,8 +181,9 @@ class MedusaModel(nn.Module):
         self.base = base
         self.heads = nn.ModuleList([MedusaHead(base) for _ in range(num_heads)])
 
-    def head_logits(self, h):
-        return torch.stack([head(h) for head in self.heads])  # (..., C) -> (K, ..., V)
+    def head_logits(self, h, num_heads: int | None = None):
+        """Logits of the first num_heads heads (default all): (..., C) -> (K, ..., V)."""
+        return torch.stack([head(h) for head in self.heads[:num_heads]])
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """(base_logits (B, T, V), head_logits (K, B, T, V))."""
@@ -257,7 +259,7 @@ class DecodeState:
     tokens: torch.Tensor       # (1, S) committed tokens
     cache: KVCache             # S entries
     logits: torch.Tensor       # (V,) base logits at the last committed position
-    head_logits: torch.Tensor  # (K, V) Medusa head logits there
+    head_logits: torch.Tensor  # (K, V) Medusa head logits there (the first K the tree uses)
     root: torch.Tensor | None = None  # exact sampling: the next root, already drawn
 
 
@@ -337,14 +339,15 @@ def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: flo
         walked.append(node)
 
 
-def update_inputs(model: MedusaModel, state: DecodeState, nodes, tree_tokens, h, logits):
+def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, nodes, tree_tokens, h, logits):
     """Step 4: commit the accepted nodes' tokens, keep their cache entries in contiguous slots,
     and take the next logits from the last accepted node (no extra forward)."""
     S = state.tokens.size(1)
     state.tokens = torch.cat([state.tokens, tree_tokens[nodes].view(1, -1)], dim=1)  # (1, S+a+1)
     state.cache.keep(S, nodes)
-    state.logits = logits[nodes[-1]]                   # (V,)
-    state.head_logits = model.head_logits(h[nodes[-1]])  # (C,) -> (K, V)
+    state.logits = logits[nodes[-1]]  # (V,)
+    # Only the heads this tree uses: on a CPU each head costs about a third of a base forward.
+    state.head_logits = model.head_logits(h[nodes[-1]], buffers.depth)  # (C,) -> (D, V)
 
 
 def medusa_step(model, state: DecodeState, buffers: TreeBuffers, temperature=0.0, sampling="typical",
@@ -361,7 +364,7 @@ def medusa_step(model, state: DecodeState, buffers: TreeBuffers, temperature=0.0
         best, accept = evaluate_posterior(gather_paths(logits, buffers), candidates, temperature,
                                           posterior_threshold, posterior_alpha, buffers.path_lengths)
         nodes = buffers.retrieve_indices[best, :accept + 1]
-    update_inputs(model, state, nodes, tree_tokens, h, logits)                               # 4
+    update_inputs(model, state, buffers, nodes, tree_tokens, h, logits)                      # 4
     return nodes, len(nodes) - 1
 
 

@@ -1,0 +1,103 @@
+"""train_heads.py end to end on the tiny preset, its checkpoints, and sample.py."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_heads
+from conftest import PERIOD
+from medusa_mini import GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One `train_heads.py --preset tiny` run, shared by the tests below."""
+    out = tmp_path_factory.mktemp("tiny")
+    report = train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1"])
+    return out, report
+
+
+def test_tiny_preset_writes_the_report(tiny_run):
+    """report.json with the top-level keys, report.md, and at least two PNGs; greedy output identical."""
+    out, _ = tiny_run
+    report = json.load(open(out / "report.json"))
+    for key in ("tokens_per_step", "speedup", "greedy_identical"):
+        assert isinstance(report[key], float)
+    assert report["greedy_identical"] == 1.0
+    assert report["tokens_per_step"] >= 1.0
+    assert len(list(out.glob("*.png"))) >= 2
+    assert "| mode |" in (out / "report.md").read_text()
+
+
+def test_medusa1_leaves_backbone_and_lm_head_unchanged(tiny_run):
+    """Medusa-1 trains the heads only: every base weight in heads.pt equals base.pt's."""
+    out, _ = tiny_run
+    base = torch.load(out / "base.pt", weights_only=True)["model"]
+    heads = torch.load(out / "heads.pt", weights_only=True)["model"]
+    assert set(base) <= {k.removeprefix("base.") for k in heads}
+    for name, tensor in base.items():
+        assert torch.equal(heads["base." + name], tensor), name
+    head_w = heads["heads.0.proj.weight"]
+    assert not torch.equal(head_w, base["lm_head.weight"])  # ... while the heads did move
+
+
+def test_second_run_reuses_checkpoints(tiny_run, capsys):
+    """Later runs reuse the base model and heads instead of training again."""
+    out, _ = tiny_run
+    train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1", "--report-prompts", "1",
+                      "--report-tokens", "8"])
+    printed = capsys.readouterr().out
+    assert "base: reusing" in printed and "heads: reusing" in printed
+
+
+def test_checkpoint_round_trip_and_clear_errors(tmp_path):
+    """Save then load gives the same tensors; corrupt files and other configs get a clear ValueError."""
+    config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    path = tmp_path / "ckpt.pt"
+    model = train_heads.GPT(config)
+    train_heads.save_checkpoint(path, config=train_heads.dataclasses.asdict(config), model=model.state_dict())
+    loaded = train_heads.load_checkpoint(path, config)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
+    with pytest.raises(ValueError, match="made for config"):
+        train_heads.load_checkpoint(path, GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
+        train_heads.load_checkpoint(path)
+    (tmp_path / "junk.pt").write_bytes(b"\x00not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable"):
+        train_heads.load_checkpoint(tmp_path / "junk.pt")
+
+
+@pytest.mark.parametrize("content, message", [(b"", "empty"), (b"   \n", "empty"), (b"caf\xe9 \xff", "not UTF-8")])
+def test_bad_data_files_give_a_clear_error(tmp_path, content, message):
+    """`--data` with an empty or non-UTF-8 file: one line saying what is wrong, no traceback."""
+    path = tmp_path / "text.txt"
+    path.write_bytes(content)
+    result = subprocess.run([sys.executable, "train_heads.py", "--preset", "tiny", "--data", str(path),
+                             "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_head_accuracies_read_the_right_offsets(periodic_model):
+    """On the periodic model every head's rank-0 guess is the token k+1 steps later: accuracy ~1 at rank 0."""
+    prompts = torch.tensor([PERIOD[:5], PERIOD[3:8]])
+    acc = train_heads.measure_head_accuracies(periodic_model, prompts, 20, ranks=3)
+    assert len(acc) == 4 and all(len(a) == 3 for a in acc)
+    assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
+
+
+def test_sample_prints_text_and_stats(tiny_run):
+    """sample.py --compare prints the continuation, the Medusa stats line and both speeds."""
+    out, _ = tiny_run
+    result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--prompt", "ROMEO:", "--tokens", "12",
+                             "--compare"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain:" in result.stdout
+    assert "\033[" not in result.stdout  # not a terminal: no colour codes

@@ -1,0 +1,502 @@
+"""Train a Shakespeare GPT and its Medusa heads offline, grow a tree for this device, and report.
+
+    python train_heads.py                    # preset chosen from the device (cpu or gpu)
+    python train_heads.py --preset tiny      # under 2 minutes, for tests
+
+Stages: data and tokenizer -> base model (reused when out/base.pt exists) -> self-distilled
+text -> Medusa-1 heads (optionally Medusa-2) -> head accuracies and a tree chosen for this
+device -> report (benchmark.py). Every stage prints what it measured.
+"""
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import data
+from medusa_mini import GPT, GPTConfig, KVCache, MedusaModel, medusa_loss
+from tree import expected_tokens_per_step, grow_tree
+
+# Sizes and defaults per preset. cpu: the whole run fits in 15 minutes on 2 cores;
+# gpu: about 10 minutes on a laptop GPU; tiny: under 2 minutes, for tests and notebooks in CI.
+PRESETS = {
+    "tiny": dict(vocab_size=320, block_size=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
+                 batch_size=16, seq_len=64, base_steps=150, base_lr=3e-3, distill_prompts=64,
+                 distill_len=48, head_steps=150, head_lr=3e-3, joint_steps=30, eval_prompts=8,
+                 report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
+    "cpu": dict(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=256, num_heads=5,
+                batch_size=32, seq_len=128, base_steps=1300, base_lr=2e-3, distill_prompts=768,
+                distill_len=128, head_steps=700, head_lr=2e-3, joint_steps=300, eval_prompts=48,
+                report_prompts=10, report_tokens=128, max_tree=64, rank_depth=10),
+    "gpu": dict(vocab_size=2048, block_size=512, n_layer=6, n_head=6, n_embd=384, num_heads=5,
+                batch_size=64, seq_len=256, base_steps=3000, base_lr=1.5e-3, distill_prompts=4096,
+                distill_len=192, head_steps=1500, head_lr=2e-3, joint_steps=600, eval_prompts=128,
+                report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
+}
+
+
+def pick_device(name=None):
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast(device):
+    """bf16 autocast for training on CUDA; plain fp32 elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(path, **contents):
+    """torch.save to a temp file beside `path`, then rename: a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(contents, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path, config: GPTConfig | None = None):
+    """Load with weights_only=True; a clear ValueError for a corrupt file or another model config."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise ValueError(f"{path} is not a readable medusa-mini checkpoint ({type(e).__name__}: {e}); "
+                         f"delete it or point --out elsewhere") from None
+    if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
+        raise ValueError(f"{path} is not a medusa-mini checkpoint (no config or model in it)")
+    if config is not None and ckpt["config"] != dataclasses.asdict(config):
+        raise ValueError(f"{path} was made for config {ckpt['config']}, but this run uses "
+                         f"{dataclasses.asdict(config)}; use another --out or --preset, or delete it")
+    return ckpt
+
+
+def load_tokenizer(ref):
+    """The tiktoken Encoding a checkpoint names: {"kind": "bpe", "path": ...} or {"kind": "gpt2"}."""
+    if ref["kind"] == "gpt2":
+        return data.get_gpt2_encoding()
+    if not os.path.exists(ref["path"]):
+        raise ValueError(f"the checkpoint's tokenizer file {ref['path']} is missing: run train_heads.py again")
+    return data.load_bpe(ref["path"])
+
+
+def file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def load_medusa(path, device="cpu"):
+    """The trained MedusaModel and its checkpoint dict (tree, accuracies, metrics) from heads.pt."""
+    ckpt = load_checkpoint(path)
+    model = MedusaModel(GPT(GPTConfig(**ckpt["config"])), num_heads=ckpt["num_heads"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt
+
+
+# ---------------------------------------------------------------------------------------- data
+
+def prepare_data(args):
+    """Token ids for training and held-out text, and the tokenizer. Ids are cached in --out."""
+    if args.data:
+        text = data.read_text_file(args.data)
+        train_text, val_text = data.split_text(text)
+        source = {"data": os.path.abspath(args.data)}
+    else:
+        plays = data.load_plays()
+        train_names, val_names = data.split_plays(plays, n_val=args.val_plays, seed=args.seed)
+        train_text = "".join(plays[n] for n in train_names)
+        val_text = "".join(plays[n] for n in val_names)
+        source = {"train_plays": train_names, "val_plays": val_names}
+    if args.tokenizer == "gpt2":
+        enc = data.get_gpt2_encoding()
+        tokenizer = {"kind": "gpt2"}
+    else:
+        path = os.path.join(args.out, f"bpe{args.vocab_size}.tiktoken")
+        key = os.path.join(args.out, f"bpe{args.vocab_size}.source.json")
+        if not (os.path.exists(path) and os.path.exists(key) and json.load(open(key)) == source):
+            t0 = time.time()
+            data.save_bpe(data.train_bpe(train_text, args.vocab_size), path)
+            json.dump(source, open(key, "w"))
+            print(f"trained a {args.vocab_size}-token BPE in {time.time() - t0:.1f}s -> {path}")
+        enc = data.load_bpe(path)
+        tokenizer = {"kind": "bpe", "path": os.path.abspath(path)}
+    train_ids = data.encode_cached(enc, train_text, os.path.join(args.out, "train_ids.npy"))
+    val_ids = data.encode_cached(enc, val_text, os.path.join(args.out, "val_ids.npy"))
+    print(f"data: {len(train_ids):,} training tokens, {len(val_ids):,} held-out tokens" +
+          (f" ({len(source['val_plays'])} plays held out: {', '.join(source['val_plays'])})" if "val_plays" in source else ""))
+    return enc, tokenizer, train_ids, val_ids
+
+
+def windows(ids, count, length, generator, device):
+    """count random windows of `length` tokens from ids: (count, length)."""
+    starts = torch.randint(0, len(ids) - length, (count,), generator=generator).tolist()
+    return torch.from_numpy(np.stack([ids[s:s + length].astype(np.int64) for s in starts])).to(device)
+
+
+def get_batch(ids, batch_size, seq_len, generator, device):
+    """Inputs x (B, T) and next tokens y (B, T) from random windows of T+1 tokens."""
+    xy = windows(ids, batch_size, seq_len + 1, generator, device)  # (B, T+1)
+    return xy[:, :-1], xy[:, 1:]
+
+
+def lr_at(step, total, peak, warmup_frac=0.05):
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    warmup = max(1, int(total * warmup_frac))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---------------------------------------------------------------------------------------- training
+
+def train_loop(name, params, loss_fn, steps, lr, save, resume_from=None):
+    """AdamW with warm-up and cosine decay. params: [(tensors, lr multiplier)].
+
+    Returns (loss history, optimizer). Ctrl-C calls save(step, opt, history, done=False), which
+    writes a resumable checkpoint, and exits; `--resume` continues from it."""
+    opt = torch.optim.AdamW([{"params": p, "mult": m} for p, m in params], lr=lr, weight_decay=0.0)
+    start, history = 0, {"step": [], "loss": []}
+    if resume_from is not None:
+        opt.load_state_dict(resume_from["optimizer"])
+        start, history = resume_from["step"], resume_from["history"]
+        print(f"{name}: resuming at step {start}")
+    bar = tqdm(range(start, steps), desc=name, initial=start, total=steps, dynamic_ncols=True)
+    try:
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, steps, lr) * group["mult"]
+            loss, shown = loss_fn(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step % 10 == 0 or step == steps - 1:
+                history["step"].append(step)
+                history["loss"].append(loss.item())
+                bar.set_postfix(shown)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\n{name}: interrupted at step {step}")
+        save(step, opt, history, done=False)
+        sys.exit(130)
+    return history, opt
+
+
+@torch.no_grad()
+def estimate_loss(model: GPT, ids, args, device, batches=8):
+    g = torch.Generator().manual_seed(1234)
+    model.eval()
+    losses = []
+    for _ in range(batches):
+        x, y = get_batch(ids, args.batch_size, args.seq_len, g, device)
+        with autocast(device):
+            losses.append(float(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def stage_base(args, config, tokenizer, train_ids, val_ids, device):
+    """Stage 1: pretrain the GPT, or reuse out/base.pt."""
+    path = os.path.join(args.out, "base.pt")
+    model = GPT(config).to(device)
+    resume = None
+    if os.path.exists(path):
+        ckpt = load_checkpoint(path, config)
+        model.load_state_dict(ckpt["model"])
+        if ckpt["done"]:
+            print(f"base: reusing {path} (val loss {ckpt['metrics']['val_loss']:.3f})")
+            return model, ckpt["metrics"]
+        if not args.resume:
+            raise SystemExit(f"{path} is an unfinished run: pass --resume to continue it, or delete it")
+        resume = ckpt
+    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.base_steps} steps")
+    g = torch.Generator().manual_seed(args.seed)
+    model.train()
+
+    def loss_fn(step):
+        x, y = get_batch(train_ids, args.batch_size, args.seq_len, g, device)
+        with autocast(device):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        return loss, {"loss": f"{loss.item():.3f}"}
+
+    def save(step, opt, history, done, metrics=None):
+        save_checkpoint(path, config=dataclasses.asdict(config), model=model.state_dict(), tokenizer=tokenizer,
+                        optimizer=opt.state_dict(), step=step, history=history, done=done, metrics=metrics or {})
+        if not done:
+            print(f"saved {path}; run again with --resume to continue")
+
+    t0 = time.time()
+    history, opt = train_loop("base", [(list(model.parameters()), 1.0)], loss_fn,
+                              args.base_steps, args.base_lr, save, resume)
+    metrics = {"val_loss": estimate_loss(model, val_ids, args, device), "seconds": time.time() - t0,
+               "history": history}
+    save(args.base_steps, opt, history, done=True, metrics=metrics)
+    print(f"base: val loss {metrics['val_loss']:.3f} after {metrics['seconds']:.0f}s -> {path}")
+    return model.eval(), metrics
+
+
+@torch.no_grad()
+def sample_batch(model: GPT, prompts, n, temperature):
+    """Plain KV-cached sampling for a batch of equal-length prompts (B, S) -> (B, S+n)."""
+    cache = KVCache(model.config, device=prompts.device, batch_size=prompts.size(0))
+    logits = model(prompts, cache=cache)[:, -1]                      # (B, V)
+    out = []
+    for i in range(n):
+        if temperature == 0:
+            out.append(logits.argmax(-1))
+        else:
+            out.append(torch.multinomial(F.softmax(logits.float() / temperature, -1), 1)[:, 0])
+        if i + 1 < n:
+            logits = model(out[-1][:, None], cache=cache)[:, -1]
+    return torch.cat([prompts, torch.stack(out, 1)], 1)             # (B, S+n)
+
+
+def random_prompts(ids, count, length, seed, device):
+    """Prompts for generation: count windows of `length` tokens, reproducible from seed."""
+    return windows(ids, count, length, torch.Generator().manual_seed(seed), device)
+
+
+def distill_text(args, base, train_ids, device):
+    """Self-distillation data: the base model's own continuations of training prompts, half greedy
+    (what greedy decoding sees) and half sampled at T = 0.7. Cached in out/distill.pt."""
+    path = os.path.join(args.out, "distill.pt")
+    key = {"base": file_digest(os.path.join(args.out, "base.pt")),
+           "prompts": args.distill_prompts, "len": args.distill_len, "seed": args.seed}
+    if os.path.exists(path):
+        cached = torch.load(path, weights_only=True)
+        if cached.get("key") == key:
+            return cached["tokens"]
+    t0 = time.time()
+    prompts = random_prompts(train_ids, args.distill_prompts, 16, args.seed + 1, device)
+    chunks, bs = [], 128 if device.type == "cpu" else 1024
+    for i in tqdm(range(0, len(prompts), bs), desc="distill", dynamic_ncols=True):
+        temperature = 0.0 if (i // bs) % 2 == 0 else 0.7
+        chunks.append(sample_batch(base, prompts[i:i + bs], args.distill_len, temperature).cpu())
+    tokens = torch.cat(chunks)
+    save_checkpoint(path, key=key, tokens=tokens)
+    print(f"distill: {tokens.numel():,} tokens of the model's own text in {time.time() - t0:.0f}s")
+    return tokens
+
+
+def head_metrics(model: MedusaModel, x, y, device):
+    """Per-head loss, top-1 and top-5 accuracy on one batch (head k at t vs token t+k+1)."""
+    with torch.no_grad(), autocast(device):
+        _, head_logits = model(x)
+    head_logits = head_logits.float()
+    _, losses = medusa_loss(head_logits, y)
+    top1, top5 = [], []
+    for k in range(1, head_logits.size(0) + 1):
+        target = y[:, k:]                                                    # (B, T-k)
+        guesses = head_logits[k - 1, :, :y.size(1) - k].topk(5, -1).indices  # (B, T-k, 5)
+        top1.append(float((guesses[..., 0] == target).float().mean()))
+        top5.append(float((guesses == target[..., None]).any(-1).float().mean()))
+    return {"loss": losses.tolist(), "top1": top1, "top5": top5}
+
+
+def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, device):
+    """Stage 2: Medusa-1 heads on a frozen backbone (self-distilled by default); optional Medusa-2."""
+    path = os.path.join(args.out, "heads.pt")
+    model = MedusaModel(base, num_heads=args.num_heads).to(device)
+    settings = {k: getattr(args, k) for k in ("preset", "num_heads", "head_steps", "head_lr", "distill", "joint",
+                                              "joint_steps", "distill_prompts", "distill_len", "seed")}
+    resume = None
+    if os.path.exists(path):
+        ckpt = load_checkpoint(path, config)
+        if ckpt["settings"] == settings and (ckpt["done"] or args.resume):
+            model.load_state_dict(ckpt["model"])
+            if ckpt["done"]:
+                print(f"heads: reusing {path}")
+                return model.eval(), ckpt["metrics"]
+            resume = ckpt
+    for p in model.base.parameters():
+        p.requires_grad_(False)  # Medusa-1: backbone and lm_head frozen
+    text = distill_text(args, model.base, train_ids, device) if args.distill else None
+    g = torch.Generator().manual_seed(args.seed + 2)
+
+    def batch(step):
+        if text is None:
+            return get_batch(train_ids, args.batch_size, args.seq_len, g, device)
+        rows = torch.randint(0, len(text), (args.batch_size,), generator=g)
+        xy = text[rows].to(device)
+        return xy[:, :-1], xy[:, 1:]
+
+    def loss_fn(step):
+        x, y = batch(step)
+        with torch.no_grad(), autocast(device):
+            h = model.base.hidden(x)                                        # frozen: no graph
+        with autocast(device):
+            loss, per_head = medusa_loss(model.head_logits(h).float(), y)
+        return loss, {"loss": f"{loss.item():.3f}", "head1": f"{per_head[0].item():.3f}"}
+
+    def save(step, opt, history, done, metrics=None):
+        save_checkpoint(path, config=dataclasses.asdict(config), num_heads=args.num_heads, model=model.state_dict(),
+                        tokenizer=tokenizer, settings=settings, optimizer=opt.state_dict(), step=step,
+                        history=history, done=done, metrics=metrics or {})
+        if not done:
+            print(f"saved {path}; run again with --resume to continue")
+
+    t0 = time.time()
+    head_params = [p for head in model.heads for p in head.parameters()]
+    history, opt = train_loop("heads", [(head_params, 1.0)], loss_fn, args.head_steps, args.head_lr, save, resume)
+    val_x, val_y = get_batch(val_ids, args.batch_size, args.seq_len, torch.Generator().manual_seed(99), device)
+    metrics = {"history": history, "seconds": time.time() - t0, "distill": args.distill,
+               "val": head_metrics(model, val_x, val_y, device)}
+    if args.joint:
+        metrics["joint"] = train_joint(args, model, train_ids, val_ids, device, base_metrics["val_loss"])
+        metrics["val"] = head_metrics(model, val_x, val_y, device)
+    print("heads: held-out top-1 " + " ".join(f"{a:.2f}" for a in metrics["val"]["top1"]) +
+          f" ({metrics['seconds']:.0f}s)")
+    save(args.head_steps, opt, history, done=True, metrics=metrics)
+    return model.eval(), metrics
+
+
+def train_joint(args, model, train_ids, val_ids, device, val_before):
+    """Medusa-2: backbone and heads together, L_LM + 0.2 L_Medusa-1, heads at 4x the backbone lr
+    (the heads-only stage before it is the warm-up). Returns base val loss before and after."""
+    for p in model.base.parameters():
+        p.requires_grad_(True)
+    model.train()
+    g = torch.Generator().manual_seed(args.seed + 3)
+
+    def loss_fn(step):
+        x, y = get_batch(train_ids, args.batch_size, args.seq_len, g, device)
+        with autocast(device):
+            base_logits, head_logits = model(x)
+            lm = F.cross_entropy(base_logits.flatten(0, 1).float(), y.flatten())
+            medusa, _ = medusa_loss(head_logits.float(), y)
+        return lm + 0.2 * medusa, {"lm": f"{lm.item():.3f}"}
+
+    head_params = [p for head in model.heads for p in head.parameters()]
+    def save(*_, **__):  # Medusa-2 is short: it is not resumable
+        print("Medusa-2 is not resumable: run again to train the heads and Medusa-2 anew")
+
+    history, _ = train_loop("joint", [(list(model.base.parameters()), 1.0), (head_params, 4.0)],
+                            loss_fn, args.joint_steps, args.base_lr * 0.1, save)
+    model.eval()
+    after = estimate_loss(model.base, val_ids, args, device)
+    print(f"joint: base val loss {val_before:.3f} -> {after:.3f}")
+    return {"val_loss_before": val_before, "val_loss_after": after, "history": history}
+
+
+# ---------------------------------------------------------------------------------------- tree
+
+@torch.no_grad()
+def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks):
+    """MEDUSA_NOTES section 4: during greedy decoding, how often is head k's rank-i guess the token
+    actually produced k+1 steps later? Greedy text is generated, then one forward reads every h_t
+    that decoding would have seen. Returns a[k][i] (K x ranks)."""
+    seq = sample_batch(model.base, prompts, n_new, 0.0)                  # (B, S+n)
+    _, head_logits = model(seq)                                          # (K, B, S+n, V)
+    S, K = prompts.size(1), head_logits.size(0)
+    acc = []
+    for k in range(1, K + 1):
+        positions = torch.arange(S - 1, seq.size(1) - k - 1)             # committed positions t
+        guesses = head_logits[k - 1][:, positions].topk(ranks, -1).indices  # (B, n', ranks)
+        actual = seq[:, positions + k + 1]                               # token t+k+1: (B, n')
+        acc.append((guesses == actual[..., None]).float().mean((0, 1)).tolist())
+    return acc
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", choices=PRESETS, help="sizes and defaults; default: gpu on CUDA/MPS, else cpu")
+    p.add_argument("--out", default="out", help="folder for checkpoints, caches and the report")
+    p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
+    p.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare (last 10%% held out)")
+    p.add_argument("--tokenizer", choices=["bpe", "gpt2"], default="bpe",
+                   help="bpe: our byte-level BPE trained on the corpus; gpt2: tiktoken's (needs a download)")
+    p.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default from the preset)")
+    p.add_argument("--val-plays", type=int, default=3, help="whole plays held out for evaluation")
+    p.add_argument("--no-distill", dest="distill", action="store_false",
+                   help="train the heads on the corpus instead of the model's own generated text")
+    p.add_argument("--joint", action="store_true", help="Medusa-2: then train backbone and heads together")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted stage from its checkpoint")
+    p.add_argument("--threads", type=int, help="torch CPU threads for the benchmark (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed for data order, prompts and initialisation")
+    for key in ("base_steps", "head_steps", "joint_steps", "batch_size", "seq_len", "num_heads", "max_tree",
+                "report_prompts", "report_tokens"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, help=f"override the preset's {key}")
+    for key in ("base_lr", "head_lr"):
+        p.add_argument("--" + key.replace("_", "-"), type=float, help=f"override the preset's {key}")
+    args = p.parse_args(argv)
+    args.device = pick_device(args.device)
+    args.preset = args.preset or ("cpu" if args.device.type == "cpu" else "gpu")
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"medusa-mini: preset {args.preset} on {args.device} ({torch.get_num_threads()} CPU threads), out {args.out}/")
+    t0 = time.time()
+    enc, tokenizer, train_ids, val_ids = prepare_data(args)
+    config = GPTConfig(vocab_size=enc.n_vocab, block_size=args.block_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
+    torch.manual_seed(args.seed)
+    base, base_metrics = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
+    model, head_metrics_ = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, args.device)
+
+    import benchmark  # matplotlib and the timing code are only needed from here on
+    eval_prompts = random_prompts(val_ids, args.eval_prompts, 32, args.seed + 4, args.device)
+    accuracies = measure_head_accuracies(model, eval_prompts, min(64, args.block_size - 32), args.rank_depth)
+    order = grow_tree(accuracies, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
+    costs = benchmark.measure_step_costs(model, order, val_ids, args.device)
+    sizes = sorted(costs["relative"])
+    gain = {n: expected_tokens_per_step(order[:n], accuracies) / costs["relative"][n] for n in sizes}
+    chosen = order[:max(gain, key=gain.get)]
+    print(f"tree: {len(chosen)} nodes chosen for {args.device} (expected {expected_tokens_per_step(chosen, accuracies):.2f}"
+          f" tokens/step at {costs['relative'][len(chosen)]:.2f}x the cost of a plain step)")
+    ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"))
+    ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
+                step_costs=costs)
+    save_checkpoint(os.path.join(args.out, "heads.pt"), **ckpt)
+
+    report = benchmark.run_report(model, enc, val_ids, chosen, order, accuracies, costs, args,
+                                  training={"base": base_metrics, "heads": head_metrics_})
+    report["total_seconds"] = time.time() - t0
+    benchmark.write_report(report, args.out)
+    return report
+
+
+def use_fast_malloc():
+    """Re-run this command once with glibc allocator settings that keep freed memory.
+
+    By default glibc hands large tensors back to the OS after every step and maps them in again
+    on the next; on small Linux VMs that made CPU training 1.5-4x slower (README, measured)."""
+    settings = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
+    if sys.platform == "linux" and not any(k in os.environ for k in settings):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **settings})
+
+
+if __name__ == "__main__":
+    use_fast_malloc()
+    try:
+        main()
+    except ValueError as e:  # bad input (data file, checkpoint, tree): say what is wrong, no traceback
+        sys.exit(f"error: {e}")
