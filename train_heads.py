@@ -484,6 +484,26 @@ def main(argv=None):
     return report
 
 
+def fast_mode():
+    """Tiny sizes everywhere (notebooks in CI): CI=true or MEDUSA_FAST=1."""
+    return os.environ.get("CI", "").lower() == "true" or os.environ.get("MEDUSA_FAST") == "1"
+
+
+def trained_model(out=None, device="cpu"):
+    """(model, tokenizer, checkpoint) for the notebooks: the model `python train_heads.py` wrote to
+    out/ (beside this file), or, in fast mode or when there is none, the tiny preset trained once
+    (seconds on a CPU) and kept in out/tiny/."""
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    path = os.path.join(out, "heads.pt")
+    if fast_mode() or not os.path.exists(path):
+        out = os.path.join(out, "tiny")
+        path = os.path.join(out, "heads.pt")
+        if not os.path.exists(path) or "tree" not in torch.load(path, weights_only=True):
+            main(["--preset", "tiny", "--out", out, "--device", str(device)])
+    model, ckpt = load_medusa(path, device)
+    return model, load_tokenizer(ckpt["tokenizer"]), ckpt
+
+
 def use_fast_malloc():
     """Re-run this command once with glibc allocator settings that keep freed memory.
 
