@@ -493,12 +493,15 @@ def trained_model(out=None, device="cpu"):
     """(model, tokenizer, checkpoint) for the notebooks: the model `python train_heads.py` wrote to
     out/ (beside this file), or, in fast mode or when there is none, the tiny preset trained once
     (seconds on a CPU) and kept in out/tiny/."""
+    def finished(path):  # a run that got as far as choosing its tree
+        return os.path.exists(path) and "tree" in torch.load(path, weights_only=True)
+
     out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     path = os.path.join(out, "heads.pt")
-    if fast_mode() or not os.path.exists(path):
+    if fast_mode() or not finished(path):
         out = os.path.join(out, "tiny")
         path = os.path.join(out, "heads.pt")
-        if not os.path.exists(path) or "tree" not in torch.load(path, weights_only=True):
+        if not finished(path):
             main(["--preset", "tiny", "--out", out, "--device", str(device)])
     model, ckpt = load_medusa(path, device)
     return model, load_tokenizer(ckpt["tokenizer"]), ckpt
