@@ -82,10 +82,10 @@ class CausalSelfAttention(nn.Module):
                    for t in (q, k, v))                                        # (B, T, C) -> (B, nh, T, hs)
         if cache is not None:
             k, v = cache.append(layer, k, v)                                  # (B, nh, S+T, hs)
-        if mask is None:  # training: plain causal attention, the fused kernel
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:             # decoding: mask (T, S+T), True = may attend
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)       # (B, nh, T, hs)
+        # mask (T, S+T), True = may attend. No mask: causal without a cache (training, the fused
+        # kernel), or one new token after the cache, which may see everything.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=mask is None and cache is None)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                      # (B, nh, T, hs) -> (B, T, C)
         return self.c_proj(y)
 
@@ -136,7 +136,7 @@ class GPT(nn.Module):
         if int(position_ids.max()) >= self.config.block_size:
             raise ValueError(f"position {int(position_ids.max())} is past block_size={self.config.block_size}")
         mask = None
-        if cache is not None or attn_mask is not None:
+        if attn_mask is not None or (cache is not None and T > 1):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
             committed = torch.ones(T, S, dtype=torch.bool, device=idx.device)
