@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from medusa_mini import generate, medusa_generate, medusa_step, prefill
-from tree import build_tree_buffers, dense_tree, expected_tokens_per_step
+from medusa_mini import generate, medusa_generate
+from tree import dense_tree, expected_tokens_per_step
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
 
@@ -34,35 +34,25 @@ def timed(fn, device):
 
 
 @torch.no_grad()
-def measure_step_costs(model, order, val_ids, device, sizes=None, repeats=15):
+def measure_step_costs(model, order, val_ids, device, sizes=None, repeats=5, n_new=48):
     """Time of one Medusa step with the first n nodes of `order`, relative to one plain decoding step.
 
-    Measured on this device, at a prompt of 64 held-out tokens, sizes interleaved, medians."""
+    Measured as decoding really runs, not as an isolated step: whole greedy generations of n_new
+    tokens from a held-out prompt (so per-step bookkeeping and weights fetched afresh each step are
+    counted), Medusa time per step over plain time per token, sizes interleaved, medians."""
     sizes = sizes or [n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if n <= len(order)]
     prompt = torch.as_tensor(val_ids[:64].astype("int64"), device=device).view(1, -1)
-    trees = {n: build_tree_buffers(order[:n]).to(device) for n in sizes}
-    state = prefill(model, prompt, extra=len(order) + 1)
-    saved = (state.tokens, state.logits, state.head_logits)
-    S = prompt.size(1)
-
-    def plain_step():
-        model.base(saved[1].argmax().view(1, 1), cache=state.cache)
-        state.cache.rollback(S)
-
-    def tree_step(n):
-        medusa_step(model, state, trees[n])
-        state.tokens, state.logits, state.head_logits = saved
-        state.cache.rollback(S)
-
-    times = {n: [] for n in ["plain"] + sizes}
+    per_step = {n: [] for n in ["plain"] + sizes}
     for _ in range(repeats):
-        times["plain"].append(timed(plain_step, device)[0])
+        seconds, _ = timed(lambda: generate(model, prompt, n_new), device)
+        per_step["plain"].append(seconds / n_new)
         for n in sizes:
-            times[n].append(timed(lambda: tree_step(n), device)[0])
-    plain = statistics.median(times["plain"])
+            seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, order[:n]), device)
+            per_step[n].append(seconds / stats.steps)
+    plain = statistics.median(per_step["plain"])
     return {"plain_step_ms": plain * 1e3,
-            "step_ms": {n: statistics.median(times[n]) * 1e3 for n in sizes},
-            "relative": {n: statistics.median(times[n]) / plain for n in sizes}}
+            "step_ms": {n: statistics.median(per_step[n]) * 1e3 for n in sizes},
+            "relative": {n: statistics.median(per_step[n]) / plain for n in sizes}}
 
 
 def distinct_4gram_ratio(tokens):
@@ -167,13 +157,13 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
 
 
 def format_table(report):
-    lines = ["| mode | tokens/step | tokens/s | speedup | overhead/step | distinct 4-grams | = plain greedy |",
+    lines = ["| mode | tokens/step | tokens/s | speedup | overhead/step (x plain) | distinct 4-grams | = plain greedy |",
              "|---|---|---|---|---|---|---|"]
     for name, r in report["modes"].items():
         def f(key, fmt):
             return format(r[key], fmt) if key in r else "-"
         lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {f('tokens_per_s', '.0f')} | {f('speedup', '.2f')}x"
-                     f" | {f('overhead_per_step', '.2f')}x | {f('distinct_4gram', '.2f')} | "
+                     f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
                      + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
     return "\n".join(lines)
 
@@ -247,7 +237,7 @@ def plot_report(report, out):
     ax.plot(nodes, [r["expected_tokens_per_step"] for r in sweep], "o--", label="expected (from accuracies)")
     ax.plot(nodes, [r["tokens_per_step"] for r in sweep], "o-", label="measured")
     ax.set(title="Tokens per step: expected against measured", xlabel="tree nodes (grown tree)",
-           ylabel="tokens per step", xscale="log")
+           ylabel="tokens per step", xscale="log", xticks=nodes, xticklabels=nodes)
     ax.legend()
     save(fig, "expected_vs_measured.png")
 
@@ -257,10 +247,44 @@ def plot_report(report, out):
     ax.plot([int(n) for n in rel], list(rel.values()), "s:", label="step cost / plain step")
     ax.axhline(1.0, color="0.5", lw=0.8)
     ax.set(title=f"Speedup against tree size ({report['device']}, {report['threads']} threads)",
-           xlabel="tree nodes (grown tree)", ylabel="x plain greedy", xscale="log")
+           xlabel="tree nodes (grown tree)", ylabel="x plain greedy", xscale="log", xticks=nodes, xticklabels=nodes)
     ax.legend()
     save(fig, "speedup_vs_tree_size.png")
     return files
+
+
+@torch.no_grad()
+def breakdown(model, prompt, choices, n_new=128):
+    """Where a Medusa step's time goes: each phase timed inside real decoding (medians, in ms),
+    next to one plain decoding step. Wraps the phases for the duration of one run."""
+    import medusa_mini
+    times, originals = {}, {}
+
+    def wrap(owner, name, label):
+        originals[(owner, name)] = fn = getattr(owner, name)
+
+        def timed_fn(*a, **k):
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            times.setdefault(label, []).append(time.perf_counter() - t0)
+            return result
+        setattr(owner, name, timed_fn)
+
+    plain = min(timed(lambda: generate(model, prompt, n_new), prompt.device)[0] for _ in range(3)) / n_new
+    medusa_generate(model, prompt, n_new, choices)  # warm-up
+    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"):
+        wrap(medusa_mini, name, f"{name}")
+    wrap(model, "head_logits", "  of which the heads")
+    try:
+        seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), prompt.device)
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn) if owner is medusa_mini else delattr(owner, name)
+    print(f"plain step {plain * 1e3:.2f} ms; Medusa step {seconds / stats.steps * 1e3:.2f} ms "
+          f"({seconds / stats.steps / plain:.2f}x) with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
+    for label in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "  of which the heads"):
+        values = times[label]
+        print(f"  {label:24s} {statistics.median(values) * 1e3:6.3f} ms ({statistics.median(values) / plain:.2f}x a plain step)")
 
 
 def main():
@@ -270,6 +294,7 @@ def main():
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
     p.add_argument("--prompts", type=int, help="held-out prompts (default: the preset's)")
     p.add_argument("--tokens", type=int, help="new tokens per prompt (default: the preset's)")
+    p.add_argument("--breakdown", action="store_true", help="only time the phases of a Medusa step (chosen tree)")
     a = p.parse_args()
     import train_heads
     if a.threads:
@@ -282,6 +307,9 @@ def main():
     args.report_prompts = a.prompts or args.report_prompts
     args.report_tokens = a.tokens or args.report_tokens
     enc, _, _, val_ids = train_heads.prepare_data(args)
+    if a.breakdown:
+        prompt = train_heads.random_prompts(val_ids, 1, 32, args.seed + 5, next(model.parameters()).device)
+        return breakdown(model, prompt, [tuple(p) for p in ckpt["tree"]])
     order = [tuple(p) for p in ckpt["grown_order"]]
     report = run_report(model, enc, val_ids, [tuple(p) for p in ckpt["tree"]], order, ckpt["accuracies"],
                         ckpt["step_costs"], args)

@@ -117,7 +117,7 @@ def prepare_data(args):
     if args.data:
         text = data.read_text_file(args.data)
         train_text, val_text = data.split_text(text)
-        source = {"data": os.path.abspath(args.data)}
+        source = {"data": os.path.abspath(args.data), "sha256": file_digest(args.data)}
     else:
         plays = data.load_plays()
         train_names, val_names = data.split_plays(plays, n_val=args.val_plays, seed=args.seed)
@@ -125,7 +125,10 @@ def prepare_data(args):
         val_text = "".join(plays[n] for n in val_names)
         source = {"train_plays": train_names, "val_plays": val_names}
     if args.tokenizer == "gpt2":
-        enc = data.get_gpt2_encoding()
+        try:
+            enc = data.get_gpt2_encoding()
+        except RuntimeError as e:
+            raise SystemExit(f"error: {e}") from None
         tokenizer = {"kind": "gpt2"}
     else:
         path = os.path.join(args.out, f"bpe{args.vocab_size}.tiktoken")
@@ -139,6 +142,9 @@ def prepare_data(args):
         tokenizer = {"kind": "bpe", "path": os.path.abspath(path)}
     train_ids = data.encode_cached(enc, train_text, os.path.join(args.out, "train_ids.npy"))
     val_ids = data.encode_cached(enc, val_text, os.path.join(args.out, "val_ids.npy"))
+    if min(len(train_ids), len(val_ids)) <= args.seq_len + 1:
+        raise ValueError(f"the text is too short: {len(train_ids)} training and {len(val_ids)} held-out tokens, "
+                         f"but one training window is {args.seq_len + 1} tokens (--seq-len)")
     print(f"data: {len(train_ids):,} training tokens, {len(val_ids):,} held-out tokens" +
           (f" ({len(source['val_plays'])} plays held out: {', '.join(source['val_plays'])})" if "val_plays" in source else ""))
     return enc, tokenizer, train_ids, val_ids

@@ -1,4 +1,6 @@
 """The GPT, its KV cache and the Medusa heads (medusa_mini.py)."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,11 @@ def test_medusa_loss_targets_token_t_plus_k_plus_1():
 
     loss, per_head = medusa_loss(confident(1), targets)
     assert per_head.shape == (K,) and per_head.max() < 1e-6
+    # The total weighs head k by decay**k (paper eq. 1: 0.8^k).
+    uniform = torch.zeros(K, 1, T, V)
+    loss, per_head = medusa_loss(uniform, targets, decay=0.5)
+    assert torch.allclose(per_head, torch.full((K,), math.log(V)))
+    assert torch.isclose(loss, math.log(V) * torch.tensor(0.5 + 0.25 + 0.125))
     assert medusa_loss(confident(0), targets)[1].min() > 10
     assert medusa_loss(confident(2), targets)[1].min() > 10
 

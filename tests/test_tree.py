@@ -7,7 +7,7 @@ import torch
 
 matplotlib.use("Agg")
 
-from tree import (build_tree_buffers, dense_tree, expected_tokens_per_step, generate_candidates,
+from tree import (build_tree_buffers, dense_tree, expected_tokens_per_step, gather_paths, generate_candidates,
                   grow_tree, plot_tree, plot_tree_mask)
 
 DENSE_2x3 = [(0,), (1,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
@@ -73,6 +73,13 @@ def test_generate_candidates_reads_head_ranks():
     assert tokens[0] == 4 and (candidates[:, 0] == 4).all()
     _, candidates = generate_candidates(base, heads, build_tree_buffers([(0,), (1,), (0, 0)]))
     assert candidates.tolist() == [[7, 9, 0], [7, 8, -1]]  # padding is -1, never a token
+
+
+def test_gather_paths_lays_node_values_along_rows():
+    """Row r, slot j holds the value of node retrieve_indices[r, j]; a padded slot reads the root's."""
+    b = build_tree_buffers([(0,), (1,), (0, 0)])  # rows: root,(0),(0,0) and root,(1),pad
+    values = torch.tensor([[10.0], [11.0], [12.0], [13.0]])  # (N, 1): node n holds 10 + n
+    assert gather_paths(values, b)[..., 0].tolist() == [[10, 11, 13], [10, 12, 10]]
 
 
 def test_dense_tree_node_count():
