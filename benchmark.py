@@ -182,6 +182,10 @@ def write_report(report, out):
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
     md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
            for r in report["tree_size_sweep"]]
+    joint = report.get("training", {}).get("heads", {}).get("joint")
+    if joint:  # Medusa-2 changed the backbone: show that the base model's quality was kept
+        md += ["", "## Medusa-2 (--joint)", "", f"Base model validation loss: {joint['val_loss_before']:.3f} before, "
+               f"{joint['val_loss_after']:.3f} after joint training (tokens/step above are with the joint model)."]
     md += ["", "## Sample (chosen tree, greedy)", "", "```", report["sample"], "```", ""]
     md += [f"![{p}]({p})" for p in pngs]
     with open(os.path.join(out, "report.md"), "w") as f:

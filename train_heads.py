@@ -234,6 +234,8 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
         resume = ckpt
     print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.base_steps} steps")
     g = torch.Generator().manual_seed(args.seed)
+    if resume is not None:
+        g.set_state(resume["rng"])  # a resumed run goes on to new batches, not the first ones again
     model.train()
 
     def loss_fn(step):
@@ -244,7 +246,8 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
 
     def save(step, opt, history, done, metrics=None):
         save_checkpoint(path, config=dataclasses.asdict(config), model=model.state_dict(), tokenizer=tokenizer,
-                        optimizer=opt.state_dict(), step=step, history=history, done=done, metrics=metrics or {})
+                        optimizer=opt.state_dict(), step=step, history=history, done=done, metrics=metrics or {},
+                        rng=g.get_state())
         if not done:
             print(f"saved {path}; run again with --resume to continue")
 
@@ -335,6 +338,8 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
         p.requires_grad_(False)  # Medusa-1: backbone and lm_head frozen
     text = distill_text(args, model.base, train_ids, device) if args.distill else None
     g = torch.Generator().manual_seed(args.seed + 2)
+    if resume is not None:
+        g.set_state(resume["rng"])
 
     def batch(step):
         if text is None:
@@ -348,13 +353,15 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
         with torch.no_grad(), autocast(device):
             h = model.base.hidden(x)                                        # frozen: no graph
         with autocast(device):
-            loss, per_head = medusa_loss(model.head_logits(h).float(), y)
-        return loss, {"loss": f"{loss.item():.3f}", "head1": f"{per_head[0].item():.3f}"}
+            head_logits = model.head_logits(h).float()                     # (K, B, T, V)
+            loss, _ = medusa_loss(head_logits, y)
+        head1_acc = (head_logits[0, :, :-1].argmax(-1) == y[:, 1:]).float().mean()  # head 1 at t: token t+2
+        return loss, {"loss": f"{loss.item():.3f}", "head1 acc": f"{head1_acc.item():.2f}"}
 
     def save(step, opt, history, done, metrics=None):
         save_checkpoint(path, config=dataclasses.asdict(config), num_heads=args.num_heads, model=model.state_dict(),
                         tokenizer=tokenizer, settings=settings, optimizer=opt.state_dict(), step=step,
-                        history=history, done=done, metrics=metrics or {})
+                        history=history, done=done, metrics=metrics or {}, rng=g.get_state())
         if not done:
             print(f"saved {path}; run again with --resume to continue")
 
