@@ -197,6 +197,8 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
     head_logits (K, B, T, V); targets (B, T), the next tokens (targets[:, t] = token t+1).
     So head k (1-based) at position t is scored against targets[:, t+k]. Returns (loss, per-head losses)."""
     K, B, T, V = head_logits.shape
+    if T <= K:
+        raise ValueError(f"{T} positions leave head {K} no target: sequences must be longer than the number of heads")
     losses = []
     for k in range(1, K + 1):
         logits = head_logits[k - 1, :, :T - k]                          # (B, T-k, V)

@@ -45,6 +45,8 @@ def test_medusa_loss_targets_token_t_plus_k_plus_1():
     loss, per_head = medusa_loss(uniform, targets, decay=0.5)
     assert torch.allclose(per_head, torch.full((K,), math.log(V)))
     assert torch.isclose(loss, math.log(V) * torch.tensor(0.5 + 0.25 + 0.125))
+    with pytest.raises(ValueError, match="longer than the number of heads"):
+        medusa_loss(torch.zeros(K, 1, K, V), targets[:, :K])
     assert medusa_loss(confident(0), targets)[1].min() > 10
     assert medusa_loss(confident(2), targets)[1].min() > 10
 
