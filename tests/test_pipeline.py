@@ -101,3 +101,27 @@ def test_sample_prints_text_and_stats(tiny_run):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain:" in result.stdout
     assert "\033[" not in result.stdout  # not a terminal: no colour codes
+
+
+def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C mid-training saves base.pt as unfinished; a plain rerun refuses it, --resume finishes it."""
+    real_lr_at = train_heads.lr_at
+
+    def interrupt_at_step_40(step, total, peak):
+        if step == 40:
+            raise KeyboardInterrupt
+        return real_lr_at(step, total, peak)
+
+    args = ["--preset", "tiny", "--out", str(tmp_path), "--threads", "1", "--report-prompts", "1",
+            "--report-tokens", "8", "--base-steps", "60", "--head-steps", "20"]
+    monkeypatch.setattr(train_heads, "lr_at", interrupt_at_step_40)
+    with pytest.raises(SystemExit):
+        train_heads.main(args)
+    ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
+    assert ckpt["done"] is False and ckpt["step"] == 40
+    monkeypatch.setattr(train_heads, "lr_at", real_lr_at)
+    with pytest.raises(SystemExit, match="--resume"):
+        train_heads.main(args)
+    train_heads.main(args + ["--resume"])
+    ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
+    assert ckpt["done"] is True and ckpt["history"]["step"][-1] == 59
