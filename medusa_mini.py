@@ -212,8 +212,8 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
 
 def _check_request(model, idx, max_new_tokens, temperature):
     base = model.base if isinstance(model, MedusaModel) else model
-    if idx.dim() != 2 or idx.size(0) != 1 or idx.size(1) == 0:
-        raise ValueError(f"idx must be a non-empty prompt of shape (1, S), got {tuple(idx.shape)}")
+    if idx.dim() != 2 or idx.size(1) == 0:
+        raise ValueError(f"idx must be non-empty prompts of shape (B, S), got {tuple(idx.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if idx.size(1) + max_new_tokens > base.config.block_size:
@@ -225,30 +225,32 @@ def _check_request(model, idx, max_new_tokens, temperature):
 
 
 def sample_token(logits, temperature: float = 0.0, top_k: int | None = None):
-    """One token from logits (V,): argmax when temperature == 0, else a draw from softmax(logits / T)."""
+    """A token from logits (..., V) -> (...): argmax when temperature == 0, else a draw from softmax(logits / T)."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[-1]
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits.float(), dim=-1), 1)[0]
+    probs = F.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs.view(-1, probs.size(-1)), 1).view(probs.shape[:-1])  # (rows, V) -> (...)
 
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None):
-    """Plain KV-cached decoding, one token per forward: (1, S) -> (1, S + max_new_tokens).
+    """Plain KV-cached decoding, one token per forward: (B, S) -> (B, S + max_new_tokens).
 
-    Takes a GPT or a MedusaModel (then only its base is used)."""
+    Takes a GPT or a MedusaModel (then only its base is used). A batch of equal-length prompts
+    serves self-distillation; Medusa decoding compares against batch 1."""
     base = _check_request(model, idx, max_new_tokens, temperature)
-    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype)
-    logits = base(idx, cache=cache)[0, -1]                     # prefill: (1, S, V) -> (V,)
+    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=idx.size(0))
+    logits = base(idx, cache=cache)[:, -1]                     # prefill: (B, S, V) -> (B, V)
     new = []
     for i in range(max_new_tokens):
-        new.append(sample_token(logits, temperature, top_k))
+        new.append(sample_token(logits, temperature, top_k))   # (B,)
         if i + 1 < max_new_tokens:
-            logits = base(new[-1].view(1, 1), cache=cache)[0, -1]  # (1, 1, V) -> (V,)
-    return torch.cat([idx, torch.stack(new).view(1, -1)], dim=1)
+            logits = base(new[-1].view(-1, 1), cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)    # (B, S+n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,6 +381,8 @@ def medusa_generate(model: MedusaModel, idx, max_new_tokens: int, choices, tempe
     "typical" (the paper's typical acceptance, fast but not the model's distribution) or "exact"
     (the lossless tree walk: the same distribution as generate() at that temperature)."""
     base = _check_request(model, idx, max_new_tokens, temperature)
+    if idx.size(0) != 1:
+        raise ValueError(f"Medusa decoding takes one prompt, shape (1, S); got {tuple(idx.shape)}")
     if sampling not in ("typical", "exact"):
         raise ValueError(f"sampling must be 'typical' or 'exact', got {sampling!r}")
     full = build_tree_buffers(choices)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-from medusa_mini import GPT, GPTConfig, KVCache, MedusaModel, medusa_loss
+from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
 # Sizes and defaults per preset. cpu: the whole run fits in 15 minutes on 2 cores;
@@ -261,22 +261,6 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
     return model.eval(), metrics
 
 
-@torch.no_grad()
-def sample_batch(model: GPT, prompts, n, temperature):
-    """Plain KV-cached sampling for a batch of equal-length prompts (B, S) -> (B, S+n)."""
-    cache = KVCache(model.config, device=prompts.device, batch_size=prompts.size(0))
-    logits = model(prompts, cache=cache)[:, -1]                      # (B, V)
-    out = []
-    for i in range(n):
-        if temperature == 0:
-            out.append(logits.argmax(-1))
-        else:
-            out.append(torch.multinomial(F.softmax(logits.float() / temperature, -1), 1)[:, 0])
-        if i + 1 < n:
-            logits = model(out[-1][:, None], cache=cache)[:, -1]
-    return torch.cat([prompts, torch.stack(out, 1)], 1)             # (B, S+n)
-
-
 def random_prompts(ids, count, length, seed, device):
     """Prompts for generation: count windows of `length` tokens, reproducible from seed."""
     return windows(ids, count, length, torch.Generator().manual_seed(seed), device)
@@ -297,7 +281,7 @@ def distill_text(args, base, train_ids, device):
     chunks, bs = [], 128 if device.type == "cpu" else 1024
     for i in tqdm(range(0, len(prompts), bs), desc="distill", dynamic_ncols=True):
         temperature = 0.0 if (i // bs) % 2 == 0 else 0.7
-        chunks.append(sample_batch(base, prompts[i:i + bs], args.distill_len, temperature).cpu())
+        chunks.append(generate(base, prompts[i:i + bs], args.distill_len, temperature).cpu())
     tokens = torch.cat(chunks)
     save_checkpoint(path, key=key, tokens=tokens)
     print(f"distill: {tokens.numel():,} tokens of the model's own text in {time.time() - t0:.0f}s")
@@ -415,7 +399,7 @@ def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks):
     """MEDUSA_NOTES section 4: during greedy decoding, how often is head k's rank-i guess the token
     actually produced k+1 steps later? Greedy text is generated, then one forward reads every h_t
     that decoding would have seen. Returns a[k][i] (K x ranks)."""
-    seq = sample_batch(model.base, prompts, n_new, 0.0)                  # (B, S+n)
+    seq = generate(model.base, prompts, n_new)                           # (B, S+n)
     _, head_logits = model(seq)                                          # (K, B, S+n, V)
     S, K = prompts.size(1), head_logits.size(0)
     acc = []

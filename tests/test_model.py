@@ -132,3 +132,12 @@ def test_positions_past_the_table_raise():
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="does not fit"):
         generate(model, torch.zeros(1, 60, dtype=torch.long), 5)
+
+
+def test_batched_generate_equals_one_prompt_at_a_time():
+    """generate on a batch of prompts (used for self-distillation) gives each row's own greedy output."""
+    model = random_medusa()
+    prompts = torch.randint(0, 32, (3, 6), generator=torch.Generator().manual_seed(0))
+    batched = generate(model, prompts, 10)
+    for row in range(3):
+        assert torch.equal(batched[row], generate(model, prompts[row:row + 1], 10)[0])
