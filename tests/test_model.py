@@ -136,7 +136,8 @@ def test_positions_past_the_table_raise():
 
 def test_batched_generate_equals_one_prompt_at_a_time():
     """generate on a batch of prompts (used for self-distillation) gives each row's own greedy output."""
-    model = random_medusa()
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
     prompts = torch.randint(0, 32, (3, 6), generator=torch.Generator().manual_seed(0))
     batched = generate(model, prompts, 10)
     for row in range(3):
