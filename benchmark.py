@@ -12,17 +12,16 @@ import os
 import statistics
 import time
 
+import sys
+
 import torch
 
+import common
+from common import random_prompts, sync
 from medusa_mini import generate, medusa_generate
 from tree import dense_tree, expected_tokens_per_step
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device):
@@ -105,7 +104,6 @@ def summarise(run, plain_run, n_new):
 
 def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None):
     """The report's measurements: the mode table, the tree-size sweep, and what was trained."""
-    from train_heads import random_prompts
     device = next(model.parameters()).device
     n_new = args.report_tokens
     prompts = random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
@@ -291,7 +289,7 @@ def breakdown(model, prompt, choices, n_new=128):
         print(f"  {label:24s} {statistics.median(values) * 1e3:6.3f} ms ({statistics.median(values) / plain:.2f}x a plain step)")
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description="Re-run the report on a trained checkpoint (out/heads.pt).")
     p.add_argument("--out", default="out", help="folder holding heads.pt and the tokenizer; the report goes here")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: all cores)")
@@ -299,20 +297,20 @@ def main():
     p.add_argument("--prompts", type=int, help="held-out prompts (default: the preset's)")
     p.add_argument("--tokens", type=int, help="new tokens per prompt (default: the preset's)")
     p.add_argument("--breakdown", action="store_true", help="only time the phases of a Medusa step (chosen tree)")
-    a = p.parse_args()
-    import train_heads
+    a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, ckpt = train_heads.load_medusa(os.path.join(a.out, "heads.pt"), train_heads.pick_device(a.device))
+    device = common.pick_device(a.device)
+    model, ckpt = common.load_medusa(os.path.join(a.out, "heads.pt"), device)
     if "tree" not in ckpt:
-        raise SystemExit(f"{a.out}/heads.pt has no tree yet: run train_heads.py to the end first")
-    args = train_heads.parse_args(["--out", a.out, "--preset", ckpt["settings"]["preset"]] +
-                                  (["--device", a.device] if a.device else []))
+        raise ValueError(f"{a.out}/heads.pt has no tree yet: run train_heads.py to the end first")
+    settings = ckpt["settings"]
+    args = common.run_args(settings["preset"], a.out, **{k: v for k, v in settings.items() if k != "preset"})
     args.report_prompts = a.prompts or args.report_prompts
     args.report_tokens = a.tokens or args.report_tokens
-    enc, _, _, val_ids = train_heads.prepare_data(args)
+    enc, _, _, val_ids = common.prepare_data(args)
     if a.breakdown:
-        prompt = train_heads.random_prompts(val_ids, 1, 32, args.seed + 5, next(model.parameters()).device)
+        prompt = random_prompts(val_ids, 1, 32, args.seed + 5, device)
         return breakdown(model, prompt, [tuple(p) for p in ckpt["tree"]])
     order = [tuple(p) for p in ckpt["grown_order"]]
     report = run_report(model, enc, val_ids, [tuple(p) for p in ckpt["tree"]], order, ckpt["accuracies"],
@@ -321,4 +319,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a missing, corrupt or foreign checkpoint: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -25,6 +25,15 @@ class GPTConfig:
     n_head: int = 4         # attention heads per block
     n_embd: int = 256       # width of the residual stream
 
+    # What the KV cache needs to know; a model with grouped-query attention has fewer KV heads.
+    @property
+    def n_kv_head(self) -> int:
+        return self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
 
 class KVCache:
     """Keys and values of every committed token, for every layer.
@@ -37,9 +46,8 @@ class KVCache:
     """
 
     def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1):
-        hs = config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size + extra, hs)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, nh, capacity, hs)
+        shape = (config.n_layer, batch_size, config.n_kv_head, config.block_size + extra, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, n_kv, capacity, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # committed entries
 
@@ -157,33 +165,41 @@ class GPT(nn.Module):
 # NEW in Medusa: extra heads that guess tokens further ahead from the same hidden state
 
 class MedusaHead(nn.Module):
-    """logits_k = W2 (h + SiLU(W1 h + b1)). With W1 = 0 and b1 = 0 it is exactly the base lm_head."""
+    """logits_k = W2 (h + SiLU(W1 h + b1)). With W1 = 0 and b1 = 0 it is exactly the base lm_head.
 
-    def __init__(self, base: GPT):
+    W2 is the head's own copy of lm_head (the paper), or, with share_lm_head, the base's frozen
+    lm_head itself (as Hydra and EAGLE do): then a head is only its residual block."""
+
+    def __init__(self, base, share_lm_head: bool = False):
         super().__init__()
         C, V = base.config.n_embd, base.config.vocab_size
-        self.residual = nn.Linear(C, C)
-        self.proj = nn.Linear(C, V, bias=False)
+        w = base.lm_head.weight  # the heads live where the base does, in its dtype
+        self.residual = nn.Linear(C, C, device=w.device, dtype=w.dtype)
         nn.init.zeros_(self.residual.weight)
         nn.init.zeros_(self.residual.bias)  # the reference leaves the bias random: heads would not be exact
-        with torch.no_grad():
-            self.proj.weight.copy_(base.lm_head.weight)
+        self.proj = None
+        if not share_lm_head:
+            self.proj = nn.Linear(C, V, bias=False, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                self.proj.weight.copy_(w)
 
-    def forward(self, h):
-        return self.proj(h + F.silu(self.residual(h)))  # (..., C) -> (..., V)
+    def forward(self, h, lm_head: nn.Module):
+        proj = lm_head if self.proj is None else self.proj
+        return proj(h + F.silu(self.residual(h)))  # (..., C) -> (..., V)
 
 
 class MedusaModel(nn.Module):
-    """A GPT (`base`) plus K heads; head k (1-based) at position t scores token t+k+1."""
+    """A base model (`base`) plus K heads; head k (1-based) at position t scores token t+k+1."""
 
-    def __init__(self, base: GPT, num_heads: int = 5):
+    def __init__(self, base, num_heads: int = 5, share_lm_head: bool = False):
         super().__init__()
         self.base = base
-        self.heads = nn.ModuleList([MedusaHead(base) for _ in range(num_heads)])
+        self.share_lm_head = share_lm_head
+        self.heads = nn.ModuleList([MedusaHead(base, share_lm_head) for _ in range(num_heads)])
 
     def head_logits(self, h, num_heads: int | None = None):
         """Logits of the first num_heads heads (default all): (..., C) -> (K, ..., V)."""
-        return torch.stack([head(h) for head in self.heads[:num_heads]])
+        return torch.stack([head(h, self.base.lm_head) for head in self.heads[:num_heads]])
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """(base_logits (B, T, V), head_logits (K, B, T, V))."""

@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from common import load_medusa, load_tokenizer, pick_device, sync
 from medusa_mini import generate, medusa_generate
-from train_heads import load_medusa, load_tokenizer, pick_device
 
 # Depth 0 (the base model's own token) plain; head k in its own colour.
 COLOURS = ["", "\033[32m", "\033[34m", "\033[35m", "\033[33m", "\033[36m", "\033[31m"]
@@ -41,16 +41,15 @@ def main():
     args = p.parse_args()
 
     path = os.path.join(args.out, "heads.pt")
-    if not os.path.exists(path):
-        sys.exit(f"error: {path} not found: run `python train_heads.py` first")
-    model, ckpt = load_medusa(path, pick_device(args.device))
+    device = pick_device(args.device)
+    model, ckpt = load_medusa(path, device)
     if "tree" not in ckpt:
-        sys.exit(f"error: {path} has no tree yet: run train_heads.py to the end first")
+        raise ValueError(f"{path} has no tree yet: run train_heads.py to the end first")
     enc = load_tokenizer(ckpt["tokenizer"])
     idx = torch.tensor([enc.encode_ordinary(args.prompt)], device=next(model.parameters()).device)
     room = model.base.config.block_size - idx.size(1)
     if room < 1:
-        sys.exit(f"error: the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
+        raise ValueError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
     n = min(args.tokens, room)
     tree = [tuple(path) for path in ckpt["tree"]]
 
@@ -58,8 +57,10 @@ def main():
         generate(model, idx, min(n, 4))
         medusa_generate(model, idx, min(n, 4), tree)
     torch.manual_seed(args.seed)
+    sync(device)
     t0 = time.perf_counter()
     out, stats = medusa_generate(model, idx, n, tree, args.temperature, args.sampling)
+    sync(device)
     medusa_s = time.perf_counter() - t0
     colour = sys.stdout.isatty()
     print(enc.decode(idx[0].tolist()) + coloured(enc, out[0, idx.size(1):].tolist(), stats.token_depths, colour))
@@ -69,12 +70,17 @@ def main():
           f"{len(tree)}-node tree), {n / medusa_s:.0f} tokens/s")
     if args.compare:
         torch.manual_seed(args.seed)
+        sync(device)
         t0 = time.perf_counter()
         plain = generate(model, idx, n, args.temperature)
+        sync(device)
         plain_s = time.perf_counter() - t0
         same = " (identical output)" if args.temperature == 0 and torch.equal(plain, out) else ""
         print(f"plain:  {n} tokens in {n} steps, {n / plain_s:.0f} tokens/s; medusa is {plain_s / medusa_s:.2f}x{same}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:  # a missing, corrupt or foreign checkpoint, a prompt too long: one line
+        sys.exit(f"error: {e}")

@@ -9,49 +9,21 @@ device -> report (benchmark.py). Every stage prints what it measured.
 """
 import argparse
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import data
+import benchmark
+from common import (PRESETS, file_digest, load_checkpoint, load_medusa, load_tokenizer, pick_device,
+                    prepare_data, random_prompts, save_checkpoint, windows)
 from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
-# Sizes and defaults per preset. cpu: the whole run fits in 15 minutes on 2 cores;
-# gpu: about 10 minutes on a laptop GPU; tiny: under 2 minutes, for tests and notebooks in CI.
-PRESETS = {
-    "tiny": dict(vocab_size=320, block_size=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
-                 batch_size=16, seq_len=64, base_steps=150, base_lr=3e-3, distill_prompts=64,
-                 distill_len=48, head_steps=150, head_lr=3e-3, joint_steps=30, eval_prompts=8,
-                 report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
-    "cpu": dict(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=256, num_heads=5,
-                batch_size=32, seq_len=128, base_steps=500, base_lr=2e-3, distill_prompts=768,
-                distill_len=128, head_steps=250, head_lr=2e-3, joint_steps=300, eval_prompts=48,
-                report_prompts=10, report_tokens=128, max_tree=64, rank_depth=10),
-    "gpu": dict(vocab_size=2048, block_size=512, n_layer=6, n_head=6, n_embd=384, num_heads=5,
-                batch_size=64, seq_len=256, base_steps=3000, base_lr=1.5e-3, distill_prompts=4096,
-                distill_len=192, head_steps=1500, head_lr=2e-3, joint_steps=600, eval_prompts=128,
-                report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
-}
-
-
-def pick_device(name=None):
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 def autocast(device):
@@ -59,102 +31,7 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-# ---------------------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(path, **contents):
-    """torch.save to a temp file beside `path`, then rename: a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(contents, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-
-def load_checkpoint(path, config: GPTConfig | None = None):
-    """Load with weights_only=True; a clear ValueError for a corrupt file or another model config."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"{path} is not a readable medusa-mini checkpoint ({type(e).__name__}: {e}); "
-                         f"delete it or point --out elsewhere") from None
-    if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
-        raise ValueError(f"{path} is not a medusa-mini checkpoint (no config or model in it)")
-    if config is not None and ckpt["config"] != dataclasses.asdict(config):
-        raise ValueError(f"{path} was made for config {ckpt['config']}, but this run uses "
-                         f"{dataclasses.asdict(config)}; use another --out or --preset, or delete it")
-    return ckpt
-
-
-def load_tokenizer(ref):
-    """The tiktoken Encoding a checkpoint names: {"kind": "bpe", "path": ...} or {"kind": "gpt2"}."""
-    if ref["kind"] == "gpt2":
-        return data.get_gpt2_encoding()
-    if not os.path.exists(ref["path"]):
-        raise ValueError(f"the checkpoint's tokenizer file {ref['path']} is missing: run train_heads.py again")
-    return data.load_bpe(ref["path"])
-
-
-def file_digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def load_medusa(path, device="cpu"):
-    """The trained MedusaModel and its checkpoint dict (tree, accuracies, metrics) from heads.pt."""
-    ckpt = load_checkpoint(path)
-    model = MedusaModel(GPT(GPTConfig(**ckpt["config"])), num_heads=ckpt["num_heads"])
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), ckpt
-
-
 # ---------------------------------------------------------------------------------------- data
-
-def prepare_data(args):
-    """Token ids for training and held-out text, and the tokenizer. Ids are cached in --out."""
-    if args.data:
-        text = data.read_text_file(args.data)
-        train_text, val_text = data.split_text(text)
-        source = {"data": os.path.abspath(args.data), "sha256": file_digest(args.data)}
-    else:
-        plays = data.load_plays()
-        train_names, val_names = data.split_plays(plays, n_val=args.val_plays, seed=args.seed)
-        train_text = "".join(plays[n] for n in train_names)
-        val_text = "".join(plays[n] for n in val_names)
-        source = {"train_plays": train_names, "val_plays": val_names}
-    if args.tokenizer == "gpt2":
-        try:
-            enc = data.get_gpt2_encoding()
-        except RuntimeError as e:
-            raise SystemExit(f"error: {e}") from None
-        tokenizer = {"kind": "gpt2"}
-    else:
-        path = os.path.join(args.out, f"bpe{args.vocab_size}.tiktoken")
-        key = os.path.join(args.out, f"bpe{args.vocab_size}.source.json")
-        if not (os.path.exists(path) and os.path.exists(key) and json.load(open(key)) == source):
-            t0 = time.time()
-            data.save_bpe(data.train_bpe(train_text, args.vocab_size), path)
-            json.dump(source, open(key, "w"))
-            print(f"trained a {args.vocab_size}-token BPE in {time.time() - t0:.1f}s -> {path}")
-        enc = data.load_bpe(path)
-        tokenizer = {"kind": "bpe", "path": os.path.abspath(path)}
-    train_ids = data.encode_cached(enc, train_text, os.path.join(args.out, "train_ids.npy"))
-    val_ids = data.encode_cached(enc, val_text, os.path.join(args.out, "val_ids.npy"))
-    if min(len(train_ids), len(val_ids)) <= args.seq_len + 1:
-        raise ValueError(f"the text is too short: {len(train_ids)} training and {len(val_ids)} held-out tokens, "
-                         f"but one training window is {args.seq_len + 1} tokens (--seq-len)")
-    print(f"data: {len(train_ids):,} training tokens, {len(val_ids):,} held-out tokens" +
-          (f" ({len(source['val_plays'])} plays held out: {', '.join(source['val_plays'])})" if "val_plays" in source else ""))
-    return enc, tokenizer, train_ids, val_ids
-
-
-def windows(ids, count, length, generator, device):
-    """count random windows of `length` tokens from ids: (count, length)."""
-    starts = torch.randint(0, len(ids) - length, (count,), generator=generator).tolist()
-    return torch.from_numpy(np.stack([ids[s:s + length].astype(np.int64) for s in starts])).to(device)
-
 
 def get_batch(ids, batch_size, seq_len, generator, device):
     """Inputs x (B, T) and next tokens y (B, T) from random windows of T+1 tokens."""
@@ -224,7 +101,7 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
     model = GPT(config).to(device)
     resume = None
     if os.path.exists(path):
-        ckpt = load_checkpoint(path, config)
+        ckpt = load_checkpoint(path, config, device)
         model.load_state_dict(ckpt["model"])
         if ckpt["done"]:
             print(f"base: reusing {path} (val loss {ckpt['metrics']['val_loss']:.3f})")
@@ -261,11 +138,6 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
     return model.eval(), metrics
 
 
-def random_prompts(ids, count, length, seed, device):
-    """Prompts for generation: count windows of `length` tokens, reproducible from seed."""
-    return windows(ids, count, length, torch.Generator().manual_seed(seed), device)
-
-
 def distill_text(args, base, train_ids, device):
     """Self-distillation data: the base model's own continuations of training prompts, half greedy
     (what greedy decoding sees) and half sampled at T = 0.7. Cached in out/distill.pt."""
@@ -273,7 +145,7 @@ def distill_text(args, base, train_ids, device):
     key = {"base": file_digest(os.path.join(args.out, "base.pt")),
            "prompts": args.distill_prompts, "len": args.distill_len, "seed": args.seed}
     if os.path.exists(path):
-        cached = torch.load(path, weights_only=True)
+        cached = torch.load(path, map_location="cpu", weights_only=True)
         if cached.get("key") == key:
             return cached["tokens"]
     t0 = time.time()
@@ -308,10 +180,11 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
     path = os.path.join(args.out, "heads.pt")
     model = MedusaModel(base, num_heads=args.num_heads).to(device)
     settings = {k: getattr(args, k) for k in ("preset", "num_heads", "head_steps", "head_lr", "distill", "joint",
-                                              "joint_steps", "distill_prompts", "distill_len", "seed")}
+                                              "joint_steps", "distill_prompts", "distill_len", "seed",
+                                              "data", "tokenizer", "vocab_size", "val_plays")}
     resume = None
     if os.path.exists(path):
-        ckpt = load_checkpoint(path, config)
+        ckpt = load_checkpoint(path, config, device)
         if ckpt["settings"] == settings and (ckpt["done"] or args.resume):
             model.load_state_dict(ckpt["model"])
             if ckpt["done"]:
@@ -459,7 +332,6 @@ def main(argv=None):
     base, base_metrics = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
     model, head_metrics_ = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, args.device)
 
-    import benchmark  # matplotlib and the timing code are only needed from here on
     eval_prompts = random_prompts(val_ids, args.eval_prompts, 32, args.seed + 4, args.device)
     accuracies = measure_head_accuracies(model, eval_prompts, min(64, args.block_size - 32), args.rank_depth)
     order = grow_tree(accuracies, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
@@ -469,7 +341,7 @@ def main(argv=None):
     chosen = order[:max(gain, key=gain.get)]
     print(f"tree: {len(chosen)} nodes chosen for {args.device} (expected {expected_tokens_per_step(chosen, accuracies):.2f}"
           f" tokens/step at {costs['relative'][len(chosen)]:.2f}x the cost of a plain step)")
-    ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"))
+    ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"), device=args.device)
     ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
                 step_costs=costs)
     save_checkpoint(os.path.join(args.out, "heads.pt"), **ckpt)
@@ -491,7 +363,7 @@ def trained_model(out=None, device="cpu"):
     out/ (beside this file), or, in fast mode or when there is none, the tiny preset trained once
     (seconds on a CPU) and kept in out/tiny/."""
     def finished(path):  # a run that got as far as choosing its tree
-        return os.path.exists(path) and "tree" in torch.load(path, weights_only=True)
+        return os.path.exists(path) and "tree" in torch.load(path, map_location="cpu", weights_only=True)
 
     out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     path = os.path.join(out, "heads.pt")

@@ -56,8 +56,9 @@ def validate_choices(choices) -> list[Path]:
     return sorted(paths, key=lambda p: (len(p), p))
 
 
-def build_tree_buffers(choices) -> TreeBuffers:
-    """Mask, position ids and retrieve indices for a tree (MEDUSA_NOTES section 2)."""
+def build_tree_buffers(choices, device=None) -> TreeBuffers:
+    """Mask, position ids and retrieve indices for a tree (MEDUSA_NOTES section 2), on `device`
+    (default: the CPU). Build them where the model is: indexing across devices fails."""
     node_paths = [()] + validate_choices(choices)
     index = {path: i for i, path in enumerate(node_paths)}
     N = len(node_paths)
@@ -94,8 +95,9 @@ def build_tree_buffers(choices) -> TreeBuffers:
     children = [[] for _ in range(N)]
     for i, path in enumerate(node_paths[1:], start=1):
         children[index[path[:-1]]].append(i)
-    return TreeBuffers(node_paths, attn_mask, position_ids, retrieve_indices, path_lengths,
-                       token_index, children, depth, topk)
+    buffers = TreeBuffers(node_paths, attn_mask, position_ids, retrieve_indices, path_lengths,
+                          token_index, children, depth, topk)
+    return buffers if device is None else buffers.to(device)
 
 
 def gather_paths(node_values: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:

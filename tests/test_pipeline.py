@@ -1,4 +1,5 @@
 """train_heads.py end to end on the tiny preset, its checkpoints, and sample.py."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -7,9 +8,10 @@ import sys
 import pytest
 import torch
 
+import common
 import train_heads
 from conftest import PERIOD
-from medusa_mini import GPTConfig
+from medusa_mini import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,19 +61,19 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     """Save then load gives the same tensors; corrupt files and other configs get a clear ValueError."""
     config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
     path = tmp_path / "ckpt.pt"
-    model = train_heads.GPT(config)
-    train_heads.save_checkpoint(path, config=train_heads.dataclasses.asdict(config), model=model.state_dict())
-    loaded = train_heads.load_checkpoint(path, config)
+    model = GPT(config)
+    common.save_checkpoint(path, config=dataclasses.asdict(config), model=model.state_dict())
+    loaded = common.load_checkpoint(path, config)
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
     with pytest.raises(ValueError, match="made for config"):
-        train_heads.load_checkpoint(path, GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        common.load_checkpoint(path, GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=1, n_embd=4))
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
-        train_heads.load_checkpoint(path)
+        common.load_checkpoint(path)
     (tmp_path / "junk.pt").write_bytes(b"\x00not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
-        train_heads.load_checkpoint(tmp_path / "junk.pt")
+        common.load_checkpoint(tmp_path / "junk.pt")
 
 
 @pytest.mark.parametrize("content, message", [(b"", "empty"), (b"   \n", "empty"), (b"caf\xe9 \xff", "not UTF-8")])
