@@ -1,6 +1,6 @@
 """medusa-mini: a small GPT, Medusa heads, and tree-verified decoding (Cai, Dao et al., 2024).
 
-Read next to the paper and ../shared/MEDUSA_NOTES.md. Shapes: B batch, T new tokens, S committed
+Read next to the paper and docs/medusa.md. Shapes: B batch, T new tokens, S committed
 tokens, C = n_embd, nh heads of size hs = C // nh, V vocab, K Medusa heads, N tree nodes,
 P root-to-leaf paths, L = tree depth + 1.
 """

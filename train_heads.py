@@ -269,7 +269,7 @@ def train_joint(args, model, train_ids, val_ids, device, val_before):
 
 @torch.no_grad()
 def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks):
-    """MEDUSA_NOTES section 4: during greedy decoding, how often is head k's rank-i guess the token
+    """docs/medusa.md section 4: during greedy decoding, how often is head k's rank-i guess the token
     actually produced k+1 steps later? Greedy text is generated, then one forward reads every h_t
     that decoding would have seen. Returns a[k][i] (K x ranks)."""
     seq = generate(model.base, prompts, n_new)                           # (B, S+n)

@@ -2,7 +2,7 @@
 
 A tree is a list of paths ("choices"). The path (i1, ..., ik) means: rank i1 of head 1's top-k,
 then rank i2 of head 2's top-k, ..., rank ik of head k. The root (depth 0, path ()) is implicit:
-it is the base model's own next token. Conventions follow ../shared/MEDUSA_NOTES.md section 2.
+it is the base model's own next token. Conventions: docs/medusa.md section 2.
 """
 import itertools
 import math
@@ -57,7 +57,7 @@ def validate_choices(choices) -> list[Path]:
 
 
 def build_tree_buffers(choices, device=None) -> TreeBuffers:
-    """Mask, position ids and retrieve indices for a tree (MEDUSA_NOTES section 2), on `device`
+    """Mask, position ids and retrieve indices for a tree (docs/medusa.md section 2), on `device`
     (default: the CPU). Build them where the model is: indexing across devices fails."""
     node_paths = [()] + validate_choices(choices)
     index = {path: i for i, path in enumerate(node_paths)}
