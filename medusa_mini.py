@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tree import TreeBuffers, build_tree_buffers, gather_paths, generate_candidates
+from tree import TreeBuffers, gather_paths, generate_candidates, tree_cuts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,9 +66,9 @@ class KVCache:
 
     def keep(self, start: int, indices):
         """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start."""
-        src = start + indices  # (n,)
-        self.k[:, :, :, start:start + len(indices)] = self.k[:, :, :, src]
-        self.v[:, :, :, start:start + len(indices)] = self.v[:, :, :, src]
+        n = len(indices)
+        self.k[:, :, :, start:start + n] = self.k[:, :, :, start:][:, :, :, indices]
+        self.v[:, :, :, start:start + n] = self.v[:, :, :, start:][:, :, :, indices]
         self.length = start + len(indices)
 
     def rollback(self, length: int):
@@ -122,6 +122,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2 and nanoGPT
+        self.register_buffer("positions", torch.arange(config.block_size), persistent=False)  # 0, 1, ...
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -134,22 +135,24 @@ class GPT(nn.Module):
         """Last hidden states h (B, T, C), after the final layer norm.
 
         idx (B, T) new tokens. With a cache they sit after its S committed entries.
-        position_ids (T,): default S, S+1, ... (a tree passes depth + S).
-        attn_mask (T, T) bool among the new tokens (a tree passes its mask); default causal.
-        Every new token also sees all S committed tokens."""
+        position_ids (T,): default S, S+1, ... A tree passes depth + S; the caller keeps those
+        below block_size (checking them here would read them back from the device every step).
+        attn_mask (T, T) among the new tokens, bool (True = may attend) or additive (0 or -inf);
+        default causal; a tree passes its own. Every new token also sees all S committed tokens."""
         B, T = idx.shape
         S = cache.length if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(S, S + T, device=idx.device)
-        if int(position_ids.max()) >= self.config.block_size:
-            raise ValueError(f"position {int(position_ids.max())} is past block_size={self.config.block_size}")
+            if S + T > self.config.block_size:
+                raise ValueError(f"{S + T} positions do not fit in block_size={self.config.block_size}")
+            position_ids = self.positions[S:S + T]                      # (T,): a view, nothing computed
+        x = self.wte(idx) + self.wpe(position_ids)                      # (B, T, C)
         mask = None
         if attn_mask is not None or (cache is not None and T > 1):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-            committed = torch.ones(T, S, dtype=torch.bool, device=idx.device)
-            mask = torch.cat([committed, attn_mask], dim=1)             # (T, S+T)
-        x = self.wte(idx) + self.wpe(position_ids)                      # (B, T, C)
+            if attn_mask.dtype == torch.bool:  # additive (0 or -inf): attention would convert it in every layer
+                attn_mask = torch.zeros(T, T, device=x.device).masked_fill(~attn_mask, float("-inf"))
+            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)      # (T, T) -> (T, S+T): the cache is visible
         for layer, block in enumerate(self.h):
             x = block(x, mask, cache, layer)
         if cache is not None:
@@ -207,6 +210,30 @@ class MedusaModel(nn.Module):
         return self.base.lm_head(h), self.head_logits(h)
 
 
+class HeadStack:
+    """`MedusaModel.head_logits` at one position, in four ops instead of four per head.
+
+    A decoding step evaluates the heads at one hidden state; on a GPU what that costs is mostly one
+    kernel launch per op. Stacking the heads' weights once per generation turns K small products
+    into one batched product (tested equal to head_logits). Built from the model's current weights:
+    build a new one after training."""
+
+    def __init__(self, model: MedusaModel):
+        heads = model.heads
+        self.w1 = torch.stack([head.residual.weight for head in heads])           # (K, C, C)
+        self.b1 = torch.stack([head.residual.bias for head in heads]).unsqueeze(1)  # (K, 1, C)
+        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight for head in heads])  # (K, V, C)
+        self.lm_head = model.base.lm_head
+
+    def __call__(self, h, num_heads: int):
+        """h (C,) -> (D, V) logits of the first D = num_heads heads."""
+        D, C = num_heads, h.size(-1)
+        r = torch.baddbmm(self.b1[:D], h.expand(D, 1, C), self.w1[:D].mT)   # (D, 1, C): W1 h + b1, per head
+        r = h + F.silu(r)                                                   # (D, 1, C)
+        logits = self.lm_head(r) if self.w2 is None else torch.bmm(r, self.w2[:D].mT)  # (D, 1, V)
+        return logits.view(D, -1)                                           # (D, 1, V) -> (D, V)
+
+
 def medusa_loss(head_logits, targets, decay: float = 0.8):
     """Medusa-1 loss sum_k decay^k CE_k: head k at position t is trained on token t+k+1.
 
@@ -259,14 +286,15 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: i
     Takes a GPT or a MedusaModel (then only its base is used). A batch of equal-length prompts
     serves self-distillation; Medusa decoding compares against batch 1."""
     base = _check_request(model, idx, max_new_tokens, temperature)
-    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=idx.size(0))
-    logits = base(idx, cache=cache)[:, -1]                     # prefill: (B, S, V) -> (B, V)
-    new = []
-    for i in range(max_new_tokens):
-        new.append(sample_token(logits, temperature, top_k))   # (B,)
-        if i + 1 < max_new_tokens:
-            logits = base(new[-1].view(-1, 1), cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
-    return torch.cat([idx, torch.stack(new, dim=1)], dim=1)    # (B, S+n)
+    B, S = idx.shape
+    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=B)
+    out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, S+n): filled in place
+    logits = base(idx, cache=cache)[:, -1]                      # prefill: (B, S, V) -> (B, V)
+    for t in range(S, S + max_new_tokens):
+        out[:, t] = sample_token(logits, temperature, top_k)    # (B,)
+        if t + 1 < S + max_new_tokens:
+            logits = base(out[:, t:t + 1], cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,10 +304,12 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: i
 @dataclass
 class DecodeState:
     """What a step needs: the committed tokens, their cache, and the logits at the last one."""
-    tokens: torch.Tensor       # (1, S) committed tokens
+    tokens: torch.Tensor       # (1, S) committed tokens: a view of `buffer`
+    buffer: torch.Tensor       # (1, block_size) room for every token the context can hold
     cache: KVCache             # S entries
     logits: torch.Tensor       # (V,) base logits at the last committed position
     head_logits: torch.Tensor  # (K, V) Medusa head logits there (the first K the tree uses)
+    heads: HeadStack           # the heads' weights, stacked once for the whole generation
     root: torch.Tensor | None = None  # exact sampling: the next root, already drawn
 
 
@@ -296,19 +326,27 @@ class MedusaStats:
 
 
 def prefill(model: MedusaModel, idx, extra: int = 0) -> DecodeState:
-    """Run the prompt (1, S) once; keep its cache and the logits at its last position."""
+    """Run the prompt (1, S) once; keep its cache and the logits at its last position.
+    `extra` cache slots beyond block_size hold the tree nodes being verified."""
     base = model.base
+    S = idx.size(1)
     cache = KVCache(base.config, extra=extra, device=idx.device, dtype=base.lm_head.weight.dtype)
+    buffer = idx.new_zeros(1, base.config.block_size)
+    buffer[:, :S] = idx
     h = base.hidden(idx, cache=cache)[0, -1]  # (1, S, C) -> (C,)
-    return DecodeState(idx, cache, base.lm_head(h), model.head_logits(h))
+    return DecodeState(buffer[:, :S], buffer, cache, base.lm_head(h), model.head_logits(h), HeadStack(model))
 
 
 def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: KVCache):
-    """Step 2: one forward over all N tree nodes on top of the cached prefix.
+    """Step 2: one forward over all N tree nodes on top of the S cached tokens (S + N entries after it).
 
     Returns hidden states (N, C) and base logits (N, V); logits[n] predicts the token after node n."""
-    position_ids = buffers.position_ids + cache.length                      # (N,): depth + S
-    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_mask, cache)[0]  # (N, C)
+    S = cache.length
+    if S + buffers.depth >= model.base.config.block_size:
+        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size="
+                         f"{model.base.config.block_size}: cut the tree")
+    position_ids = buffers.position_ids + S                                 # (N,): depth + S
+    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
     return h, model.base.lm_head(h)
 
 
@@ -320,30 +358,39 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
     path_lengths (P,): real tokens per row, root included (default: the non-negative entries).
     Greedy (temperature 0): accept while the token is the argmax; best = first longest row.
     Typical: accept while p(token) > min(epsilon, alpha * exp(-H)); among the longest rows the
-    best has the largest sum of log p over its accepted tokens. Returns (best_row, accept_length) ints."""
+    best has the largest sum of log p over its accepted tokens (ties: the first such row).
+    Returns (best_row, accept_length) ints: the step's only read from the device."""
     P, L = candidates.shape
     if logits.shape[:2] != (P, L):
         raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")
-    if path_lengths is None:
-        path_lengths = (candidates >= 0).sum(1)
     drafts = candidates[:, 1:]                                                # (P, L-1)
-    real = torch.arange(L - 1, device=candidates.device) < (path_lengths - 1)[:, None]  # (P, L-1)
     if temperature == 0:
-        ok = drafts == logits[:, :-1].argmax(-1)                              # (P, L-1)
+        ok = drafts == logits[:, :-1].argmax(-1)                              # (P, L-1): padding (-1) never matches
     else:
-        p = F.softmax(logits[:, :-1].float() / temperature, dim=-1)           # (P, L-1, V)
-        entropy = torch.special.entr(p).sum(-1)                               # (P, L-1), 0 log 0 = 0
-        threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
-        p_draft = p.gather(-1, drafts.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (P, L-1)
-        ok = p_draft > threshold
-    accepted = torch.cumprod((ok & real).int(), dim=1)                        # (P, L-1): leading run
-    lengths = accepted.sum(1)                                                 # (P,)
-    accept_length = int(lengths.max())
-    if temperature == 0 or accept_length == 0:
-        return int(lengths.argmax()), accept_length  # argmax returns the first maximal row
-    score = (torch.log(p_draft) * accepted).sum(1)                            # (P,)
-    score = score.masked_fill(lengths < accept_length, float("-inf"))
-    return int(score.argmax()), accept_length
+        scaled = logits[:, :-1].float() / temperature                         # (P, L-1, V)
+        p, logp = F.softmax(scaled, dim=-1), F.log_softmax(scaled, dim=-1)
+        # H = -sum p log p, so exp(-H) = exp(sum p log p). The clamp keeps 0 * log 0 at 0, not NaN.
+        neg_entropy = (p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)  # (P, L-1)
+        threshold = torch.clamp(posterior_alpha * torch.exp(neg_entropy), max=posterior_threshold)
+        index = drafts.clamp(min=0).unsqueeze(-1)                             # (P, L-1, 1): padding reads token 0
+        ok = p.gather(-1, index).squeeze(-1) > threshold                      # (P, L-1), strict as in the paper
+        logp_draft = logp.gather(-1, index).squeeze(-1)                       # (P, L-1)
+        ok = ok & (drafts >= 0)
+    if path_lengths is not None:  # rows may end before their padding does
+        ok = ok & (torch.arange(1, L, device=ok.device) < path_lengths[:, None])
+    # A row's accept length is the position of its first rejection.
+    ok = F.pad(ok, (0, 1), value=False)                                       # (P, L-1) -> (P, L): one always comes
+    lengths = ok.float().argmin(1)                                            # (P,): argmin gives the first False
+    if temperature == 0:
+        lengths = lengths.tolist()                                            # the step's one read from the device
+        accept = max(lengths)
+        return lengths.index(accept), accept                                  # the first longest row
+    accepted = torch.arange(L - 1, device=ok.device) < lengths[:, None]      # (P, L-1)
+    score = (logp_draft * accepted).sum(1)                                    # (P,)
+    accept = lengths.max()
+    best = score.masked_fill(lengths < accept, float("-inf")).argmax()       # ties: the first row
+    best, accept = torch.stack([best, accept]).tolist()                      # the step's one read from the device
+    return best, accept
 
 
 def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: float):
@@ -359,33 +406,50 @@ def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: flo
         walked.append(node)
 
 
-def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, nodes, tree_tokens, h, logits):
-    """Step 4: commit the accepted nodes' tokens, keep their cache entries in contiguous slots,
-    and take the next logits from the last accepted node (no extra forward)."""
+def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, best: int, accept: int,
+                  candidates, h, logits):
+    """Step 4: commit row `best`'s first accept + 1 nodes, keep their cache entries in contiguous
+    slots, and take the next logits from the last accepted node (no extra forward)."""
     S = state.tokens.size(1)
-    state.tokens = torch.cat([state.tokens, tree_tokens[nodes].view(1, -1)], dim=1)  # (1, S+a+1)
-    state.cache.keep(S, nodes)
-    state.logits = logits[nodes[-1]]  # (V,)
-    # Only the heads this tree uses: on a CPU each head costs about a third of a base forward.
-    state.head_logits = model.head_logits(h[nodes[-1]], buffers.depth)  # (C,) -> (D, V)
+    nodes = buffers.retrieve_indices[best, :accept + 1]             # (a+1,) node indices on the device
+    last = buffers.rows[best][accept]                               # the last of them, read on the host
+    state.buffer[0, S:S + accept + 1] = candidates[best, :accept + 1]
+    state.tokens = state.buffer[:, :S + accept + 1]                 # (1, S+a+1)
+    if accept > 0:
+        state.cache.keep(S, nodes)
+    else:
+        state.cache.rollback(S + 1)                                 # the root already sits in slot S
+    state.logits = logits[last]                                     # (V,)
+    # Only the heads this tree uses: each is a large product next to a small model.
+    state.head_logits = state.heads(h[last], buffers.depth)         # (C,) -> (D, V)
+    return nodes
 
 
 def medusa_step(model, state: DecodeState, buffers: TreeBuffers, temperature=0.0, sampling="typical",
                 posterior_threshold=0.09, posterior_alpha=0.3):
-    """One verification step; commits accept + 1 tokens and returns (accepted nodes, accept_length)."""
-    exact = temperature > 0 and sampling == "exact"
-    tree_tokens, candidates = generate_candidates(state.logits, state.head_logits, buffers,   # 1
-                                                  root=state.root if exact else None)
-    h, logits = tree_decoding(model, tree_tokens, buffers, state.cache)                      # 2
-    if exact:                                                                                # 3
+    """One verification step; commits accept + 1 tokens and returns (accepted nodes, accept_length).
+
+    sampling (temperature > 0): "typical" draws the root from the model and accepts drafts by the
+    typical rule; "typical-fast" takes the argmax root, so the output is deterministic (the
+    reference's fast path); "exact" walks the tree and keeps the model's distribution."""
+    root = None
+    if temperature > 0 and sampling == "exact":
+        root = state.root
+    elif temperature > 0 and sampling == "typical":
+        root = sample_token(state.logits, temperature)
+    tree_tokens, candidates = generate_candidates(state.logits, state.head_logits, buffers, root)   # 1
+    h, logits = tree_decoding(model, tree_tokens, buffers, state.cache)                            # 2
+    if temperature > 0 and sampling == "exact":                                                    # 3
         walked, state.root = sample_tree_walk(logits, tree_tokens, buffers, temperature)
-        nodes = torch.tensor(walked, device=logits.device)
+        best, accept = buffers.row_of[walked[-1]], len(walked) - 1  # a row whose prefix is the walk
     else:
         best, accept = evaluate_posterior(gather_paths(logits, buffers), candidates, temperature,
-                                          posterior_threshold, posterior_alpha, buffers.path_lengths)
-        nodes = buffers.retrieve_indices[best, :accept + 1]
-    update_inputs(model, state, buffers, nodes, tree_tokens, h, logits)                      # 4
-    return nodes, len(nodes) - 1
+                                          posterior_threshold, posterior_alpha)  # padding (-1) ends each row
+    nodes = update_inputs(model, state, buffers, best, accept, candidates, h, logits)              # 4
+    return nodes, accept
+
+
+SAMPLING = ("typical", "typical-fast", "exact")
 
 
 @torch.no_grad()
@@ -394,39 +458,40 @@ def medusa_generate(model: MedusaModel, idx, max_new_tokens: int, choices, tempe
     """Medusa decoding: (1, S) -> ((1, S + max_new_tokens), MedusaStats).
 
     temperature 0: greedy acceptance, output identical to generate(). temperature > 0: sampling
-    "typical" (the paper's typical acceptance, fast but not the model's distribution) or "exact"
-    (the lossless tree walk: the same distribution as generate() at that temperature)."""
+    "typical" (the paper's typical acceptance with a sampled root: fast, varied, but not the model's
+    distribution), "typical-fast" (the same with the argmax root: deterministic) or "exact" (the
+    lossless tree walk: the same distribution as generate() at that temperature)."""
     base = _check_request(model, idx, max_new_tokens, temperature)
     if idx.size(0) != 1:
         raise ValueError(f"Medusa decoding takes one prompt, shape (1, S); got {tuple(idx.shape)}")
-    if sampling not in ("typical", "exact"):
-        raise ValueError(f"sampling must be 'typical' or 'exact', got {sampling!r}")
-    full = build_tree_buffers(choices)
+    if sampling not in SAMPLING:
+        raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
+    trees = tree_cuts(choices, idx.device)  # built once per (tree, device), reused by every call
+    full = trees[max(trees)]
     if full.depth > len(model.heads):
         raise ValueError(f"the tree is {full.depth} deep but the model has only {len(model.heads)} heads")
     if full.topk > base.config.vocab_size:
         raise ValueError(f"the tree asks for rank {full.topk - 1} but the vocabulary has {base.config.vocab_size} tokens")
-    # The tree cut to each depth, so a step near the end never commits or positions past the limit.
-    trees = {d: build_tree_buffers([p for p in full.node_paths[1:] if len(p) <= d]).to(idx.device)
-             for d in range(1, full.depth + 1)}
 
     state = prefill(model, idx, extra=len(full.node_paths))
     if temperature > 0 and sampling == "exact":
         state.root = sample_token(state.logits, temperature)
     stats, end = MedusaStats(), idx.size(1) + max_new_tokens
     while state.tokens.size(1) < end:
-        depth = min(full.depth, end - state.tokens.size(1) - 1)  # end <= block_size, so positions fit
+        # Near the end, the tree cut to the depth that still fits (end <= block_size, so positions fit).
+        depth = min(full.depth, end - state.tokens.size(1) - 1)
         if depth == 0:  # one token left: the root alone, nothing to verify
-            root = state.root if state.root is not None else state.logits.argmax(-1)
-            state.tokens = torch.cat([state.tokens, root.view(1, 1)], dim=1)
+            root = state.root if state.root is not None else sample_token(state.logits, temperature)
+            S = state.tokens.size(1)
+            state.buffer[0, S] = root
+            state.tokens = state.buffer[:, :S + 1]
             stats.steps += 1
             stats.accept_lengths.append(0)
             stats.token_depths.append(0)
             break
-        buffers = trees[depth]
-        nodes, accept = medusa_step(model, state, buffers, temperature, sampling,
-                                    posterior_threshold, posterior_alpha)
+        _, accept = medusa_step(model, state, trees[depth], temperature, sampling,
+                                posterior_threshold, posterior_alpha)
         stats.steps += 1
         stats.accept_lengths.append(accept)
-        stats.token_depths.extend(buffers.position_ids[nodes].tolist())
+        stats.token_depths.extend(range(accept + 1))  # the k-th committed node was proposed by head k
     return state.tokens, stats

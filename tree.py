@@ -4,6 +4,7 @@ A tree is a list of paths ("choices"). The path (i1, ..., ik) means: rank i1 of 
 then rank i2 of head 2's top-k, ..., rank ik of head k. The root (depth 0, path ()) is implicit:
 it is the base model's own next token. Conventions: docs/medusa.md section 2.
 """
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -18,20 +19,26 @@ class TreeBuffers:
     """Index tensors for one tree, all in node order: root first, then paths by (len(path), path)."""
     node_paths: list[Path]          # N paths; node 0 is the root ()
     attn_mask: torch.Tensor         # (N, N) bool: row = query node, column = key node it may see
+    attn_bias: torch.Tensor         # (N, N) the same mask, additive: 0 where visible, -inf elsewhere
     position_ids: torch.Tensor      # (N,) node depth; the model adds the committed length S
     retrieve_indices: torch.Tensor  # (P, L) node indices of each root-to-leaf path, padded with -1
+    padding: torch.Tensor           # (P, L) bool: retrieve_indices < 0
+    gather_index: torch.Tensor      # (P, L) retrieve_indices with padding read from the root (index 0)
     path_lengths: torch.Tensor      # (P,) real nodes per row, root included
     token_index: torch.Tensor       # (N,) where each node's token sits in [root, head-1 top-k, head-2 top-k, ...]
     children: list[list[int]]       # children[n] = node indices whose parent is node n
     depth: int                      # deepest path length = number of heads the tree uses
     topk: int                       # largest rank + 1 = how many guesses per head the tree needs
+    rows: list[list[int]]           # retrieve_indices without padding, on the host (no device read)
+    row_of: list[int]               # row_of[n] = a row whose path passes through node n
 
     def to(self, device):
         """A copy with every tensor on `device` (built once, before decoding)."""
         tensors = {name: getattr(self, name).to(device) for name in
-                   ("attn_mask", "position_ids", "retrieve_indices", "path_lengths", "token_index")}
+                   ("attn_mask", "attn_bias", "position_ids", "retrieve_indices", "padding", "gather_index",
+                    "path_lengths", "token_index")}
         return TreeBuffers(node_paths=self.node_paths, children=self.children, depth=self.depth,
-                           topk=self.topk, **tensors)
+                           topk=self.topk, rows=self.rows, row_of=self.row_of, **tensors)
 
 
 def validate_choices(choices) -> list[Path]:
@@ -95,16 +102,35 @@ def build_tree_buffers(choices, device=None) -> TreeBuffers:
     children = [[] for _ in range(N)]
     for i, path in enumerate(node_paths[1:], start=1):
         children[index[path[:-1]]].append(i)
-    buffers = TreeBuffers(node_paths, attn_mask, position_ids, retrieve_indices, path_lengths,
-                          token_index, children, depth, topk)
+    row_of = [0] * N
+    for r in reversed(range(len(rows))):  # the first row through a node wins
+        for n in rows[r]:
+            row_of[n] = r
+    attn_bias = torch.zeros(N, N).masked_fill(~attn_mask, float("-inf"))
+    buffers = TreeBuffers(node_paths, attn_mask, attn_bias, position_ids, retrieve_indices, retrieve_indices < 0,
+                          retrieve_indices.clamp(min=0), path_lengths, token_index, children, depth, topk, rows, row_of)
     return buffers if device is None else buffers.to(device)
+
+
+def tree_cuts(choices, device) -> dict[int, TreeBuffers]:
+    """{d: the tree cut to depth d} for d = 1..depth, on `device`. Near the end of the context or of
+    the requested tokens, a step uses the deepest cut that still fits. Built once per (tree, device)
+    and shared by every later call: treat the buffers as read-only."""
+    return _tree_cuts(tuple(tuple(p) for p in choices), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_cuts(choices: tuple, device: str) -> dict[int, TreeBuffers]:
+    full = build_tree_buffers(choices)
+    return {d: build_tree_buffers([p for p in full.node_paths[1:] if len(p) <= d], device)
+            for d in range(1, full.depth + 1)}
 
 
 def gather_paths(node_values: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
     """Lay per-node values (N, ...) out along the root-to-leaf paths: (P, L, ...).
 
     Padded slots (-1) read the root's value; acceptance never looks at them (path_lengths)."""
-    return node_values[buffers.retrieve_indices.clamp(min=0)]  # (N, ...) -> (P, L, ...)
+    return node_values[buffers.gather_index]  # (N, ...) -> (P, L, ...)
 
 
 def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=None):
@@ -117,8 +143,7 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
     guesses = head_logits[:buffers.depth].topk(buffers.topk, dim=-1).indices  # (K, V) -> (D, topk)
     flat = torch.cat([root.view(1), guesses.flatten()])                      # (1 + D*topk,)
     tree_tokens = flat[buffers.token_index]                                   # (N,)
-    candidates = gather_paths(tree_tokens, buffers)                           # (P, L)
-    candidates = candidates.masked_fill(buffers.retrieve_indices < 0, -1)
+    candidates = gather_paths(tree_tokens, buffers).masked_fill(buffers.padding, -1)  # (P, L)
     return tree_tokens, candidates
 
 
