@@ -1,25 +1,30 @@
 """Medusa against plain KV-cached decoding of the same model, in the same process, interleaved.
 
-    python benchmark.py --out out --threads 1      # re-run the report on a trained out/heads.pt
+    python benchmark.py --out out                  # re-run the report on a trained out/heads.pt
+    python benchmark.py --out out --breakdown      # where a step's time goes, ideal against actual
+    python benchmark.py --out out --ops            # kernel-launching ops per step: the GPU proxy
 
 Every figure is a median over interleaved repeats: on a small shared machine, timings drift, and
-running the sides one after the other would hand the drift to one of them. Writes out/report.json,
-out/report.md and PNGs, and prints the table.
+running the sides one after the other would hand the drift to one of them. Each side runs at every
+CPU thread count from 1 to the number of cores, and a speedup compares each side at its own best
+count. Writes out/report.json, out/report.md and PNGs, and prints the table.
 """
 import argparse
 import json
 import os
 import statistics
-import time
-
 import sys
+import time
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from common import random_prompts, sync
-from medusa_mini import generate, medusa_generate
-from tree import dense_tree, expected_tokens_per_step
+from medusa_mini import (HeadStack, evaluate_posterior, generate, generate_candidates, medusa_generate, prefill,
+                         tree_decoding)
+from tree import dense_tree, expected_tokens_per_step, gather_paths, tree_cuts
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
 
@@ -32,26 +37,55 @@ def timed(fn, device):
     return time.perf_counter() - t0, result
 
 
-@torch.no_grad()
-def measure_step_costs(model, order, val_ids, device, sizes=None, repeats=5, n_new=48):
-    """Time of one Medusa step with the first n nodes of `order`, relative to one plain decoding step.
+def thread_counts(device, threads=None):
+    """The CPU thread counts to try: 1 .. the number of cores, or the one given. On a GPU the CPU only
+    launches kernels, so the current count alone."""
+    if threads:
+        return [threads]
+    if torch.device(device).type != "cpu":
+        return [torch.get_num_threads()]
+    return list(range(1, (os.cpu_count() or 1) + 1))
 
-    Measured as decoding really runs, not as an isolated step: whole greedy generations of n_new
-    tokens from a held-out prompt (so per-step bookkeeping and weights fetched afresh each step are
-    counted), Medusa time per step over plain time per token, sizes interleaved, medians."""
+
+@torch.no_grad()
+def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, repeats=5, n_new=48):
+    """Time of one Medusa step with the first n nodes of `order`, against one plain decoding step,
+    at each thread count.
+
+    Measured as decoding really runs: whole greedy generations of n_new tokens from a held-out prompt
+    (tree buffers built once and reused, as in decoding), Medusa time per step over plain time per
+    token, sizes and thread counts interleaved, medians. Returns {threads: {"plain_step_ms",
+    "step_ms": {n: ms}, "relative": {n: x plain}}}."""
     sizes = sizes or [n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if n <= len(order)]
     prompt = torch.as_tensor(val_ids[:64].astype("int64"), device=device).view(1, -1)
-    per_step = {n: [] for n in ["plain"] + sizes}
+    for n in sizes:  # warm-up: builds and caches each tree's buffers
+        medusa_generate(model, prompt, 4, order[:n])
+    runs = {(t, n): [] for t in thread_counts(device, threads) for n in ["plain"] + sizes}
     for _ in range(repeats):
-        seconds, _ = timed(lambda: generate(model, prompt, n_new), device)
-        per_step["plain"].append(seconds / n_new)
-        for n in sizes:
-            seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, order[:n]), device)
-            per_step[n].append(seconds / stats.steps)
-    plain = statistics.median(per_step["plain"])
-    return {"plain_step_ms": plain * 1e3,
-            "step_ms": {n: statistics.median(per_step[n]) * 1e3 for n in sizes},
-            "relative": {n: statistics.median(per_step[n]) / plain for n in sizes}}
+        for t, n in runs:
+            torch.set_num_threads(t)
+            if n == "plain":
+                seconds, _ = timed(lambda: generate(model, prompt, n_new), device)
+                runs[t, n].append(seconds / n_new)
+            else:
+                seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, order[:n]), device)
+                runs[t, n].append(seconds / stats.steps)
+    costs = {}
+    for t in thread_counts(device, threads):
+        plain = statistics.median(runs[t, "plain"])
+        costs[t] = {"plain_step_ms": plain * 1e3,
+                    "step_ms": {n: statistics.median(runs[t, n]) * 1e3 for n in sizes},
+                    "relative": {n: statistics.median(runs[t, n]) / plain for n in sizes}}
+    return costs
+
+
+def choose_tree(order, accuracies, costs):
+    """The prefix of the grown order, and the thread count, with the most expected tokens per second:
+    expected tokens per step (from the accuracies) over the measured time of a step.
+    Returns (tree, threads)."""
+    best = max(((t, n) for t in costs for n in costs[t]["step_ms"]),
+               key=lambda tn: expected_tokens_per_step(order[:tn[1]], accuracies) / costs[tn[0]]["step_ms"][tn[1]])
+    return order[:best[1]], best[0]
 
 
 def distinct_4gram_ratio(tokens):
@@ -60,110 +94,211 @@ def distinct_4gram_ratio(tokens):
 
 
 @torch.no_grad()
-def compare(model, prompts, n_new, modes, repeats):
-    """Run every mode on every prompt `repeats` times, interleaved (the order rotates each round).
+def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
+    """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
+    rotates each round).
 
-    modes: {name: (kind, kwargs)} with kind "plain" or "medusa". Returns per mode: median seconds per
-    prompt, outputs, and the Medusa stats of the last repeat."""
-    names = list(modes)
-    runs = {name: {"seconds": [], "outputs": [], "stats": []} for name in names}
+    modes: {name: (kind, kwargs)} with kind "plain" or "medusa". Returns, per (mode, threads): median
+    seconds per prompt, outputs, and the Medusa stats of the last repeat."""
+    keys = [(name, t) for name in modes for t in threads]
+    runs = {key: {"seconds": [], "outputs": [], "stats": []} for key in keys}
     for p, prompt in enumerate(prompts):
         idx = prompt.view(1, -1)
-        per_prompt = {name: [] for name in names}
+        per_prompt = {key: [] for key in keys}
         for r in range(repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name, t in keys[r % len(keys):] + keys[:r % len(keys)]:
                 kind, kwargs = modes[name]
+                if t is not None:
+                    torch.set_num_threads(t)
                 torch.manual_seed(1000 * p + r)  # sampled modes: the same seeds for every mode
                 if kind == "plain":
                     seconds, out = timed(lambda: generate(model, idx, n_new, **kwargs), idx.device)
                     stats = None
                 else:
                     seconds, (out, stats) = timed(lambda: medusa_generate(model, idx, n_new, **kwargs), idx.device)
-                per_prompt[name].append(seconds)
+                per_prompt[name, t].append(seconds)
                 if r == repeats - 1:
-                    runs[name]["outputs"].append(out[0, idx.size(1):].tolist())
-                    runs[name]["stats"].append(stats)
-        for name in names:
-            runs[name]["seconds"].append(statistics.median(per_prompt[name]))
+                    runs[name, t]["outputs"].append(out[0, idx.size(1):].tolist())
+                    runs[name, t]["stats"].append(stats)
+        for key in keys:
+            runs[key]["seconds"].append(statistics.median(per_prompt[key]))
     return runs
 
 
-def summarise(run, plain_run, n_new):
-    """Tokens per step, speed and speedup of one mode against its plain baseline."""
-    seconds, plain_seconds = sum(run["seconds"]), sum(plain_run["seconds"])
-    tokens = n_new * len(run["seconds"])
-    row = {"tokens_per_s": tokens / seconds, "speedup": plain_seconds / seconds,
+def summarise(runs, name, baseline, threads, n_new):
+    """One row: mode `name` at each thread count, and at its best against `baseline` at its best."""
+    tokens = n_new * len(runs[name, threads[0]]["seconds"])
+    speed = {t: tokens / sum(runs[name, t]["seconds"]) for t in threads}
+    base_speed = {t: tokens / sum(runs[baseline, t]["seconds"]) for t in threads}
+    best, base_best = max(speed, key=speed.get), max(base_speed, key=base_speed.get)
+    run = runs[name, best]
+    row = {"tokens_per_s": speed[best], "threads": best, "tokens_per_s_by_threads": speed,
+           "speedup": speed[best] / base_speed[base_best],  # best against best
+           "speedup_same_threads": {t: speed[t] / base_speed[t] for t in threads},
            "distinct_4gram": statistics.mean(distinct_4gram_ratio(o) for o in run["outputs"])}
     if run["stats"][0] is not None:
         steps = sum(s.steps for s in run["stats"])
         row["tokens_per_step"] = tokens / steps
-        # overhead = time of a Medusa step / time of a plain decoding step (one token)
-        row["overhead_per_step"] = (seconds / steps) / (plain_seconds / tokens)
+        # overhead = time of a Medusa step / time of a plain decoding step (one token), same threads
+        row["overhead_per_step"] = (tokens / speed[best] / steps) / (1 / base_speed[best])
     return row
 
 
 def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None):
-    """The report's measurements: the mode table, the tree-size sweep, and what was trained."""
+    """The report's measurements: the mode table, the ops count, the tree-size sweep, what was trained."""
     device = next(model.parameters()).device
+    threads = thread_counts(device, getattr(args, "threads", None))
     n_new = args.report_tokens
     prompts = random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
     big = order[:64]
     dense = dense_tree(DENSE_WIDTHS[:len(model.heads)])
+    chosen_name = f"medusa greedy, chosen tree ({len(chosen)} nodes)"
     modes = {
         "plain greedy": ("plain", {}),
-        f"medusa greedy, chosen tree ({len(chosen)} nodes)": ("medusa", dict(choices=chosen)),
+        chosen_name: ("medusa", dict(choices=chosen)),
         f"medusa greedy, grown tree ({len(big)} nodes)": ("medusa", dict(choices=big)),
         f"medusa greedy, dense {'x'.join(map(str, DENSE_WIDTHS))} ({len(dense)} nodes)": ("medusa", dict(choices=dense)),
         "plain sampling T=0.7": ("plain", dict(temperature=0.7)),
         "medusa typical T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="typical")),
         "medusa exact T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="exact")),
     }
-    print(f"report: {len(modes)} modes x {len(prompts)} held-out prompts x {n_new} tokens, interleaved")
-    runs = compare(model, prompts, n_new, modes, repeats=3)
+    print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
+          f"{n_new} tokens, interleaved")
+    for name, (kind, kwargs) in modes.items():  # warm-up: first calls, tree buffers
+        generate(model, prompts[0].view(1, -1), 4) if kind == "plain" else \
+            medusa_generate(model, prompts[0].view(1, -1), 4, **kwargs)
+    runs = compare(model, prompts, n_new, modes, repeats=3, threads=threads)
     table = {}
-    for name, run in runs.items():
-        baseline = runs["plain sampling T=0.7" if "T=0.7" in name else "plain greedy"]
-        table[name] = summarise(run, baseline, n_new)
+    for name in modes:
+        baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
+        table[name] = summarise(runs, name, baseline, threads, n_new)
         if "greedy" in name and name != "plain greedy":
-            same = [a == b for a, b in zip(run["outputs"], runs["plain greedy"]["outputs"])]
+            same = [a == b for a, b in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
             table[name]["greedy_identical"] = sum(same) / len(same)
-    chosen_name = next(n for n in modes if "chosen tree" in n and "greedy" in n)
+    ops = count_ops(model, prompts[0].view(1, -1), chosen, n_new)
 
-    # Tree-size sweep: grown trees of several sizes, greedy, against plain greedy in the same rounds.
+    # Tree-size sweep: grown trees of several sizes, greedy, against plain greedy in the same rounds,
+    # at the thread count the chosen tree runs best with.
+    best_threads = table[chosen_name]["threads"]
     sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= len(order)} | {len(chosen)})
     sweep_modes = {"plain greedy": ("plain", {})}
     sweep_modes.update({n: ("medusa", dict(choices=order[:n])) for n in sizes})
-    sweep_runs = compare(model, prompts[:5], n_new, sweep_modes, repeats=2)
+    sweep_runs = compare(model, prompts[:5], n_new, sweep_modes, repeats=2, threads=[best_threads])
     sweep = []
     for n in sizes:
-        row = summarise(sweep_runs[n], sweep_runs["plain greedy"], n_new)
+        row = summarise(sweep_runs, n, "plain greedy", [best_threads], n_new)
         sweep.append({"nodes": n, "expected_tokens_per_step": expected_tokens_per_step(order[:n], accuracies),
                       "tokens_per_step": row["tokens_per_step"], "speedup": row["speedup"]})
+    torch.set_num_threads(threads[-1])
 
     chosen_row = table[chosen_name]
-    accept_lengths = [a for s in runs[chosen_name]["stats"] for a in s.accept_lengths]
-    sample = runs[chosen_name]["outputs"][0]
+    accept_lengths = [a for s in runs[chosen_name, best_threads]["stats"] for a in s.accept_lengths]
+    sample = runs[chosen_name, best_threads]["outputs"][0]
     return {
         "tokens_per_step": chosen_row["tokens_per_step"], "speedup": chosen_row["speedup"],
+        "speedup_1_thread": chosen_row["speedup_same_threads"][threads[0]],
         "greedy_identical": chosen_row["greedy_identical"],
-        "device": str(device), "threads": torch.get_num_threads(), "preset": args.preset,
+        "ops_ratio": ops["ops_ratio"], "host_reads_per_step": ops["host_reads_per_step"], "ops": ops,
+        "device": str(device), "threads": threads, "preset": args.preset,
         "prompts": len(prompts), "new_tokens": n_new, "chosen_tree": [list(p) for p in chosen],
-        "modes": table, "tree_size_sweep": sweep, "accept_lengths": accept_lengths,
+        "modes": table, "tree_size_sweep": sweep, "sweep_threads": best_threads, "accept_lengths": accept_lengths,
         "accuracies": accuracies, "step_costs": costs, "training": training or {},
         "sample": enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(sample),
     }
 
 
+# ---------------------------------------------------------------------------------------- ops: the GPU proxy
+
+class OpCounter(TorchDispatchMode):
+    """Counts what decoding would cost a GPU where a model is this small: one kernel launch per aten
+    op that computes something (views only relabel memory, so they are left out), and every read of
+    a tensor's value on the host, which makes the CPU wait for the GPU."""
+    HOST_READS = {"aten._local_scalar_dense", "aten.equal", "aten.nonzero", "aten.is_nonzero", "aten.masked_select"}
+    FREE = {"aten._unsafe_view", "aten.scalar_tensor"}  # metadata, or a CPU scalar: no kernel
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_reads = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.HOST_READS:
+            self.host_reads += 1
+        elif not func.is_view and name not in self.FREE:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        # .tolist() reads a whole tensor on the host without an aten op: count it by hand.
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(tensor):
+            counter.host_reads += 1
+            return tolist(tensor)
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+@torch.no_grad()
+def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
+    """Kernel-launching ops per plain token and per Medusa step, and host reads per step.
+
+    Plain: the difference between generating 2n and n tokens, per token. Medusa: a whole generation
+    minus its prefill, per step. ops_ratio = Medusa ops per step / plain ops per token; on a GPU,
+    where a small model's step costs about one launch per op, tokens/step / ops_ratio projects the
+    speedup (a projection, not a measurement)."""
+    medusa_generate(model, prompt, 4, choices, **medusa_kwargs)  # build the tree buffers first
+    counts = []
+    for fn in (lambda: generate(model, prompt, n_new), lambda: generate(model, prompt, 2 * n_new),
+               lambda: prefill(model, prompt, extra=len(choices) + 1),
+               lambda: medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)):
+        with OpCounter() as counter:
+            result = fn()
+        counts.append((counter, result))
+    (short, _), (long, _), (pre, _), (medusa, (_, stats)) = counts
+    plain = (long.total - short.total) / n_new
+    per_step = (medusa.total - pre.total) / stats.steps
+    return {"plain_ops_per_token": plain, "medusa_ops_per_step": per_step, "ops_ratio": per_step / plain,
+            "host_reads_per_step": (medusa.host_reads - pre.host_reads) / stats.steps,
+            "plain_host_reads_per_token": (long.host_reads - short.host_reads) / n_new,
+            "tokens_per_step": stats.tokens_per_step,
+            "projected_speedup": stats.tokens_per_step / (per_step / plain),
+            "medusa_ops": {k: (v - pre.ops[k]) / stats.steps for k, v in medusa.ops.most_common()}}
+
+
 def format_table(report):
-    lines = ["| mode | tokens/step | tokens/s | speedup | overhead/step (x plain) | distinct 4-grams | = plain greedy |",
-             "|---|---|---|---|---|---|---|"]
+    """The report's table: tokens/s at each thread count, and the speedup best against best."""
+    threads = report["threads"]
+    lines = ["| mode | tokens/step | " + " | ".join(f"tokens/s, {t} thread{'s' * (t != 1)}" for t in threads)
+             + " | speedup (best vs best) | overhead/step (x plain) | distinct 4-grams | = plain greedy |",
+             "|---|---|" + "---|" * len(threads) + "---|---|---|---|"]
     for name, r in report["modes"].items():
         def f(key, fmt):
             return format(r[key], fmt) if key in r else "-"
-        lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {f('tokens_per_s', '.0f')} | {f('speedup', '.2f')}x"
-                     f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
+        speeds = " | ".join(f"{r['tokens_per_s_by_threads'][t]:.0f}" + ("*" if t == r["threads"] else "")
+                            for t in threads)
+        lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {speeds} | "
+                     + ("-" if "tokens_per_step" not in r else f"{r['speedup']:.2f}x")
+                     + f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
                      + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at; speedup = its best tokens/s " \
+        "over its plain baseline's best tokens/s (sampled modes against plain sampling)."
+
+
+def format_ops(ops):
+    return (f"ops per step (kernel-launching aten ops, views excluded): plain {ops['plain_ops_per_token']:.0f} per "
+            f"token, Medusa {ops['medusa_ops_per_step']:.0f} per step = {ops['ops_ratio']:.2f}x; host reads per step "
+            f"{ops['host_reads_per_step']:.2f}; projected GPU speedup {ops['tokens_per_step']:.2f} tokens/step / "
+            f"{ops['ops_ratio']:.2f} = {ops['projected_speedup']:.2f}x (a projection, not a measurement)")
 
 
 def write_report(report, out):
@@ -172,10 +307,9 @@ def write_report(report, out):
         json.dump(report, f, indent=1, default=str)
     pngs = plot_report(report, out)
     table = format_table(report)
-    md = [f"# medusa-mini report ({report['preset']} preset, {report['device']}, {report['threads']} threads)", "",
+    md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
           f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; times are medians of "
-          "3 interleaved runs. Speedup = plain time / Medusa time for the same model and tokens "
-          "(sampled modes against plain sampling).", "", table, "",
+          "3 interleaved runs, every mode at every thread count.", "", table, "", format_ops(report["ops"]), "",
           "## Tree size sweep (grown trees, greedy)", "",
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
     md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
@@ -189,6 +323,7 @@ def write_report(report, out):
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n" + table)
+    print("\n" + format_ops(report["ops"]))
     print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")
 
 
@@ -245,48 +380,100 @@ def plot_report(report, out):
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(nodes, [r["speedup"] for r in sweep], "o-", label="measured speedup")
-    rel = report["step_costs"]["relative"]
+    t = report["sweep_threads"]
+    rel = report["step_costs"][t]["relative"]
     ax.plot([int(n) for n in rel], list(rel.values()), "s:", label="step cost / plain step")
     ax.axhline(1.0, color="0.5", lw=0.8)
-    ax.set(title=f"Speedup against tree size ({report['device']}, {report['threads']} threads)",
+    ax.set(title=f"Speedup against tree size ({report['device']}, {t} thread{'s' * (t != 1)})",
            xlabel="tree nodes (grown tree)", ylabel="x plain greedy", xscale="log", xticks=nodes, xticklabels=nodes)
     ax.legend()
     save(fig, "speedup_vs_tree_size.png")
     return files
 
 
+def median_ms(fn, device, repeats=200):
+    """Median time of fn() in ms over `repeats` calls, after a few warm-up calls."""
+    for _ in range(5):
+        fn()
+    return statistics.median(timed(fn, device)[0] for _ in range(repeats)) * 1e3
+
+
 @torch.no_grad()
 def breakdown(model, prompt, choices, n_new=128):
-    """Where a Medusa step's time goes: each phase timed inside real decoding (medians, in ms),
-    next to one plain decoding step. Wraps the phases for the duration of one run."""
+    """Where a Medusa step's time goes, actual against ideal.
+
+    Actual: each phase timed inside real decoding (medians). Ideal: on the same cache, the tree
+    forward alone, the heads alone and the bookkeeping (candidates, acceptance, cache and token
+    updates) alone, each warm and in isolation. Returns the figures; prints the table."""
     import medusa_mini
+    device = prompt.device
     times, originals = {}, {}
 
     def wrap(owner, name, label):
         originals[(owner, name)] = fn = getattr(owner, name)
 
         def timed_fn(*a, **k):
-            t0 = time.perf_counter()
-            result = fn(*a, **k)
-            times.setdefault(label, []).append(time.perf_counter() - t0)
+            seconds, result = timed(lambda: fn(*a, **k), device)
+            times.setdefault(label, []).append(seconds)
             return result
         setattr(owner, name, timed_fn)
 
-    plain = min(timed(lambda: generate(model, prompt, n_new), prompt.device)[0] for _ in range(3)) / n_new
-    medusa_generate(model, prompt, n_new, choices)  # warm-up
+    # Actual: whole generations, then the phases inside one of them.
+    plain = statistics.median(timed(lambda: generate(model, prompt, n_new), device)[0] for _ in range(5)) / n_new
+    runs = [timed(lambda: medusa_generate(model, prompt, n_new, choices), device) for _ in range(5)]
+    step = statistics.median(seconds / stats.steps for seconds, (_, stats) in runs)
+    stats = runs[0][1][1]
     for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"):
-        wrap(medusa_mini, name, f"{name}")
-    wrap(model, "head_logits", "  of which the heads")
+        wrap(medusa_mini, name, name)
+    wrap(HeadStack, "__call__", "heads")
     try:
-        seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), prompt.device)
+        medusa_generate(model, prompt, n_new, choices)
     finally:
         for (owner, name), fn in originals.items():
-            setattr(owner, name, fn) if owner is medusa_mini else delattr(owner, name)
-    print(f"plain step {plain * 1e3:.2f} ms; Medusa step {seconds / stats.steps * 1e3:.2f} ms "
-          f"({seconds / stats.steps / plain:.2f}x) with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
-    for label in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "  of which the heads"):
-        values = times[label]
-        print(f"  {label:24s} {statistics.median(values) * 1e3:6.3f} ms ({statistics.median(values) / plain:.2f}x a plain step)")
+            setattr(owner, name, fn)
+    actual = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+    # Ideal: the same work, each part alone on the cache of the prompt.
+    buffers = tree_cuts(choices, device)[max(tree_cuts(choices, device))]
+    state = prefill(model, prompt, extra=len(buffers.node_paths))
+    S = state.tokens.size(1)
+    tree_tokens, candidates = generate_candidates(state.logits, state.head_logits, buffers)
+
+    def tree_pass():
+        out = tree_decoding(model, tree_tokens, buffers, state.cache)
+        state.cache.rollback(S)
+        return out
+    h, logits = tree_pass()
+    nodes = buffers.retrieve_indices[0, :buffers.depth + 1]
+
+    def bookkeeping():  # everything of a step but the two forwards: candidates, acceptance, updates
+        _, cand = generate_candidates(state.logits, state.head_logits, buffers)
+        best, accept = evaluate_posterior(gather_paths(logits, buffers), cand)
+        state.buffer[0, S:S + len(nodes)] = cand[0]
+        state.cache.length = S + len(buffers.node_paths)
+        state.cache.keep(S, nodes)
+        state.cache.rollback(S)
+        return best, accept, logits[buffers.rows[0][-1]]
+    plain_alone = median_ms(lambda: generate(model, prompt, 1), device) - median_ms(lambda: prefill(model, prompt), device)
+    ideal = {"tree forward": median_ms(tree_pass, device),
+             "heads": median_ms(lambda: state.heads(h[0], buffers.depth), device),
+             "bookkeeping": median_ms(bookkeeping, device)}
+    ideal_step = sum(ideal.values())
+    print(f"plain step {plain * 1e3:.2f} ms in real decoding; Medusa step {step * 1e3:.2f} ms ({step / plain:.2f}x) "
+          f"with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
+    print("\nactual: each phase inside real decoding (medians)")
+    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "heads"):
+        label = "  of which the heads" if name == "heads" else name
+        print(f"  {label:24s} {actual[name]:7.3f} ms ({actual[name] / (plain * 1e3):.2f}x a plain step)")
+    print(f"\nideal: each part alone on the same cache, warm (medians of 200)")
+    for name, ms in ideal.items():
+        print(f"  {name:24s} {ms:7.3f} ms ({ms / (plain * 1e3):.2f}x a plain step)")
+    print(f"  {'ideal step':24s} {ideal_step:7.3f} ms ({ideal_step / (plain * 1e3):.2f}x a plain step)")
+    print(f"\nactual step / ideal step = {step * 1e3 / ideal_step:.2f}  "
+          f"(one-token forward alone, warm: {plain_alone:.3f} ms)")
+    return {"plain_step_ms": plain * 1e3, "step_ms": step * 1e3, "tokens_per_step": stats.tokens_per_step,
+            "actual_ms": actual, "ideal_ms": ideal, "ideal_step_ms": ideal_step,
+            "actual_over_ideal": step * 1e3 / ideal_step}
 
 
 def main(argv=None):
@@ -296,7 +483,9 @@ def main(argv=None):
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
     p.add_argument("--prompts", type=int, help="held-out prompts (default: the preset's)")
     p.add_argument("--tokens", type=int, help="new tokens per prompt (default: the preset's)")
-    p.add_argument("--breakdown", action="store_true", help="only time the phases of a Medusa step (chosen tree)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="only time the phases of a Medusa step (chosen tree), actual against ideal")
+    p.add_argument("--ops", action="store_true", help="only count kernel-launching ops and host reads per step")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -309,12 +498,15 @@ def main(argv=None):
     args.report_prompts = a.prompts or args.report_prompts
     args.report_tokens = a.tokens or args.report_tokens
     enc, _, _, val_ids = common.prepare_data(args)
-    if a.breakdown:
+    tree = [tuple(p) for p in ckpt["tree"]]
+    if a.breakdown or a.ops:
         prompt = random_prompts(val_ids, 1, 32, args.seed + 5, device)
-        return breakdown(model, prompt, [tuple(p) for p in ckpt["tree"]])
+        if a.ops:
+            return print(format_ops(count_ops(model, prompt, tree, args.report_tokens)))
+        return breakdown(model, prompt, tree, args.report_tokens)
     order = [tuple(p) for p in ckpt["grown_order"]]
-    report = run_report(model, enc, val_ids, [tuple(p) for p in ckpt["tree"]], order, ckpt["accuracies"],
-                        ckpt["step_costs"], args)
+    args.threads = a.threads
+    report = run_report(model, enc, val_ids, tree, order, ckpt["accuracies"], ckpt["step_costs"], args)
     write_report(report, a.out)
 
 

@@ -301,7 +301,9 @@ def parse_args(argv=None):
                    help="train the heads on the corpus instead of the model's own generated text")
     p.add_argument("--joint", action="store_true", help="Medusa-2: then train backbone and heads together")
     p.add_argument("--resume", action="store_true", help="continue an interrupted stage from its checkpoint")
-    p.add_argument("--threads", type=int, help="torch CPU threads for the benchmark (default: all cores)")
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads for everything; default: training on all cores, and decoding "
+                        "measured at every count from 1 to the number of cores")
     p.add_argument("--seed", type=int, default=0, help="seed for data order, prompts and initialisation")
     for key in ("base_steps", "head_steps", "joint_steps", "batch_size", "seq_len", "num_heads", "max_tree",
                 "report_prompts", "report_tokens"):
@@ -335,12 +337,11 @@ def main(argv=None):
     eval_prompts = random_prompts(val_ids, args.eval_prompts, 32, args.seed + 4, args.device)
     accuracies = measure_head_accuracies(model, eval_prompts, min(64, args.block_size - 32), args.rank_depth)
     order = grow_tree(accuracies, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
-    costs = benchmark.measure_step_costs(model, order, val_ids, args.device)
-    sizes = sorted(costs["relative"])
-    gain = {n: expected_tokens_per_step(order[:n], accuracies) / costs["relative"][n] for n in sizes}
-    chosen = order[:max(gain, key=gain.get)]
-    print(f"tree: {len(chosen)} nodes chosen for {args.device} (expected {expected_tokens_per_step(chosen, accuracies):.2f}"
-          f" tokens/step at {costs['relative'][len(chosen)]:.2f}x the cost of a plain step)")
+    costs = benchmark.measure_step_costs(model, order, val_ids, args.device, args.threads)
+    chosen, threads = benchmark.choose_tree(order, accuracies, costs)
+    print(f"tree: {len(chosen)} nodes chosen for {args.device}, {threads} thread{'s' * (threads != 1)} (expected "
+          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
+          f"{costs[threads]['relative'][len(chosen)]:.2f}x the cost of a plain step)")
     ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"), device=args.device)
     ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
                 step_costs=costs)
