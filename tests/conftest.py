@@ -1,5 +1,8 @@
 """Shared tiny models. Tests run on one thread: on a 2-core machine two torch threads beside
-another busy process run far slower than one."""
+another busy process run far slower than one.
+
+`python -m pytest --device cuda` (or mps) runs the core exactness tests on that device: they take
+the `device` fixture. Everything else stays on the CPU."""
 import os
 import sys
 
@@ -38,8 +41,38 @@ def periodic_batch(batch, length, generator):
     return torch.stack([seq[(s + torch.arange(length + 1)) % len(PERIOD)] for s in starts])
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="device for the core exactness tests: cpu, cuda or mps")
+
+
 @pytest.fixture(scope="session")
-def periodic_model():
+def device(request):
+    device = torch.device(request.config.getoption("--device"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.exit("--device cuda: no CUDA device here", returncode=2)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        pytest.exit("--device mps: no MPS device here", returncode=2)
+    return device
+
+
+def assert_same_tokens(fast, plain, model):
+    """Greedy Medusa output equals plain greedy output; if not, say where and how close the call was.
+
+    On a GPU a one-token pass and a tree pass may use different kernels whose results differ in
+    the last bits, which can flip an argmax where the top two logits (nearly) tie. The message gives
+    the top-2 logit margin at the first divergent token, so such a near-tie is told from a bug."""
+    if torch.equal(fast, plain):
+        return
+    t = int((fast != plain).nonzero()[0, 1])
+    base = getattr(model, "base", model)
+    with torch.no_grad():
+        top2 = base(plain[:, :t])[0, -1].float().topk(2).values
+    raise AssertionError(f"first divergent token at position {t}: medusa {fast[0, t].item()}, plain "
+                         f"{plain[0, t].item()}; plain's top-2 logit margin there is {float(top2[0] - top2[1]):.3g}")
+
+
+@pytest.fixture(scope="session")
+def periodic_model(device):
     """Base and heads trained for a few seconds on a periodic sequence: heads are accurate, so
     Medusa steps commit several tokens."""
     torch.manual_seed(0)
@@ -55,4 +88,4 @@ def periodic_model():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model.eval()
+    return model.eval().to(device)

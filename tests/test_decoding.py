@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PERIOD, random_medusa, tiny_config
+from conftest import PERIOD, assert_same_tokens, random_medusa, tiny_config
 from medusa_mini import GPT, MedusaModel, evaluate_posterior, generate, medusa_generate, medusa_loss
 from tree import dense_tree
 
@@ -22,25 +22,25 @@ TREES = {
 
 
 @pytest.mark.parametrize("tree", TREES)
-def test_greedy_medusa_equals_plain_greedy_on_a_trained_model(periodic_model, tree):
+def test_greedy_medusa_equals_plain_greedy_on_a_trained_model(periodic_model, tree, device):
     """Token for token identical to plain greedy, while steps really commit several tokens."""
     for prompt in ([3, 17], [29, 11, 2, 23], [8]):
-        idx = torch.tensor([prompt])
+        idx = torch.tensor([prompt], device=device)
         n = 40
         plain = generate(periodic_model, idx, n)
         fast, stats = medusa_generate(periodic_model, idx, n, TREES[tree])
-        assert torch.equal(fast, plain)
+        assert_same_tokens(fast, plain, periodic_model)
         assert stats.tokens_per_step > 2.0
         assert len(stats.token_depths) == n == sum(a + 1 for a in stats.accept_lengths)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_greedy_medusa_equals_plain_greedy_on_a_random_model(seed):
+def test_greedy_medusa_equals_plain_greedy_on_a_random_model(seed, device):
     """Equality also holds when the heads are mostly wrong (acceptance near zero)."""
-    model = random_medusa(seed)
-    idx = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(seed))
+    model = random_medusa(seed).to(device)
+    idx = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(seed)).to(device)
     fast, stats = medusa_generate(model, idx, 30, TREES["sparse"])
-    assert torch.equal(fast, generate(model, idx, 30))
+    assert_same_tokens(fast, generate(model, idx, 30), model)
     assert stats.steps >= 10
 
 
@@ -135,11 +135,24 @@ def test_greedy_picks_the_first_longest_row():
     assert evaluate_posterior(logits[:2], torch.tensor([[0, 1, 1], [0, 3, 2]])) == (0, 0)
 
 
-def test_typical_mode_runs_end_to_end(periodic_model):
+@pytest.mark.parametrize("sampling", ["typical", "typical-fast"])
+def test_typical_mode_runs_end_to_end(periodic_model, device, sampling):
     """Typical acceptance produces max_new_tokens tokens and accepts drafts on a confident model."""
     torch.manual_seed(0)
-    out, stats = medusa_generate(periodic_model, torch.tensor([[3, 17]]), 40, TREES["sparse"], temperature=0.7)
+    out, stats = medusa_generate(periodic_model, torch.tensor([[3, 17]], device=device), 40, TREES["sparse"],
+                                 temperature=0.7, sampling=sampling)
     assert out.shape == (1, 42) and stats.tokens_per_step > 2.0
+
+
+def test_typical_fast_is_deterministic_and_typical_samples_the_root():
+    """typical-fast takes the argmax root and is the same for every seed; typical draws the root
+    from the model, so on a model that is unsure its output varies with the seed."""
+    model, idx = random_medusa(0), torch.tensor([[1, 2, 3]])
+    def run(seed, sampling):
+        torch.manual_seed(seed)
+        return medusa_generate(model, idx, 20, TREES["sparse"], temperature=1.0, sampling=sampling)[0]
+    assert all(torch.equal(run(s, "typical-fast"), run(0, "typical-fast")) for s in range(1, 4))
+    assert len({tuple(run(s, "typical")[0].tolist()) for s in range(4)}) > 1
 
 
 # ---------------------------------------------------------------- exact sampling: a statistical test
@@ -175,8 +188,9 @@ def skewed_model():
 def true_joint(model, prompt, T):
     """p(x1, x2 | prompt) at temperature T, from the model itself: (V, V)."""
     p1 = F.softmax(model.base(prompt)[0, -1] / T, -1)
-    rows = [F.softmax(model.base(torch.cat([prompt, torch.tensor([[a]])], 1))[0, -1] / T, -1) for a in range(V_SMALL)]
-    return p1[:, None] * torch.stack(rows)
+    rows = [F.softmax(model.base(torch.cat([prompt, torch.tensor([[a]], device=prompt.device)], 1))[0, -1] / T, -1)
+            for a in range(V_SMALL)]
+    return (p1[:, None] * torch.stack(rows)).cpu()
 
 
 def chi_square_p_value(counts, probs):
@@ -193,14 +207,14 @@ def chi_square_p_value(counts, probs):
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
 
 
-def test_exact_sampling_matches_the_models_joint_distribution():
+def test_exact_sampling_matches_the_models_joint_distribution(device):
     """The first two tokens of exact Medusa sampling follow the model's own p(x1) p(x2 | x1).
 
     False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that draws x2 without
     looking at x1 are both rejected by the same test at the same sample size."""
     torch.manual_seed(1)
-    model, T, n = skewed_model(), 1.0, 3000
-    prompt = torch.tensor([[1, 2]])
+    model, T, n = skewed_model().to(device), 1.0, 3000
+    prompt = torch.tensor([[1, 2]], device=device)
     with torch.no_grad():
         joint = true_joint(model, prompt, T).double()
     independent_joint = joint.sum(1, keepdim=True) * joint.sum(0)

@@ -6,18 +6,18 @@ import torch
 import torch.nn.functional as F
 
 from conftest import random_medusa, tiny_config
-from medusa_mini import GPT, KVCache, MedusaModel, generate, medusa_loss, medusa_step, prefill
+from medusa_mini import GPT, HeadStack, KVCache, MedusaModel, generate, medusa_loss, medusa_step, prefill
 from tree import build_tree_buffers, dense_tree
 
 
 @pytest.mark.parametrize("cfg", [dict(), dict(n_layer=1, n_head=1, n_embd=16, vocab_size=7),
                                  dict(n_layer=3, n_head=4, n_embd=64, vocab_size=100)])
 @pytest.mark.parametrize("T", [1, 5, 17])
-def test_zero_init_heads_equal_base_exactly(cfg, T):
+def test_zero_init_heads_equal_base_exactly(cfg, T, device):
     """At initialisation every head's logits are torch.equal to the base logits (W1 = 0 and b1 = 0)."""
     torch.manual_seed(T)
-    model = MedusaModel(GPT(tiny_config(**cfg)), num_heads=5).eval()
-    idx = torch.randint(0, model.base.config.vocab_size, (2, T))
+    model = MedusaModel(GPT(tiny_config(**cfg)).to(device), num_heads=5).eval()
+    idx = torch.randint(0, model.base.config.vocab_size, (2, T), device=device)
     base_logits, head_logits = model(idx)
     assert head_logits.shape == (5, 2, T, model.base.config.vocab_size)
     for k in range(5):
@@ -67,14 +67,14 @@ IRREGULAR = [(0,), (1,), (2,), (0, 0), (0, 1), (2, 0), (0, 0, 0), (0, 1, 0), (0,
 
 @pytest.mark.parametrize("choices", [dense_tree([2, 3]), dense_tree([3, 2, 2]), CHAIN, IRREGULAR])
 @pytest.mark.parametrize("prefix", [0, 7])
-def test_tree_forward_equals_per_path_forward(choices, prefix):
+def test_tree_forward_equals_per_path_forward(choices, prefix, device):
     """Logits at every tree node equal those of running its root-to-node path with a plain causal forward."""
     torch.manual_seed(prefix)
-    model = random_medusa().base
-    b = build_tree_buffers(choices)
-    tokens = torch.randint(0, 32, (len(b.node_paths),))
-    committed = torch.randint(0, 32, (1, prefix))
-    cache = KVCache(model.config, extra=len(tokens))
+    model = random_medusa().base.to(device)
+    b = build_tree_buffers(choices, device)
+    tokens = torch.randint(0, 32, (len(b.node_paths),)).to(device)
+    committed = torch.randint(0, 32, (1, prefix)).to(device)
+    cache = KVCache(model.config, extra=len(tokens), device=device)
     if prefix:
         model(committed, cache=cache)
     tree_logits = model(tokens.view(1, -1), b.position_ids + prefix, b.attn_mask, cache)[0]  # (N, V)
@@ -103,19 +103,20 @@ def test_cache_keep_and_rollback():
         cache.append(0, torch.zeros(1, 1, 70, 4), torch.zeros(1, 1, 70, 4))
 
 
-@pytest.mark.parametrize("temperature, sampling", [(0.0, "typical"), (0.8, "typical"), (0.8, "exact")])
-def test_cache_after_medusa_steps_equals_plain_decoding(periodic_model, temperature, sampling):
+@pytest.mark.parametrize("temperature, sampling", [(0.0, "typical"), (0.8, "typical"), (0.8, "typical-fast"),
+                                                   (0.8, "exact")])
+def test_cache_after_medusa_steps_equals_plain_decoding(periodic_model, temperature, sampling, device):
     """After any number of steps the cache holds exactly the entries plain decoding builds for the committed tokens."""
     torch.manual_seed(1)
     model = periodic_model
-    b = build_tree_buffers(dense_tree([2, 2, 1]))
-    state = prefill(model, torch.tensor([[3, 17, 5]]), extra=len(b.node_paths))
+    b = build_tree_buffers(dense_tree([2, 2, 1]), device)
+    state = prefill(model, torch.tensor([[3, 17, 5]], device=device), extra=len(b.node_paths))
     if sampling == "exact":
         state.root = state.logits.argmax()
     for _ in range(5):
         medusa_step(model, state, b, temperature, sampling)
         S = state.tokens.size(1)
-        plain = KVCache(model.base.config)
+        plain = KVCache(model.base.config, device=device)
         model.base(state.tokens[:, :3], cache=plain)
         for t in range(3, S):
             model.base(state.tokens[:, t:t + 1], cache=plain)
@@ -142,3 +143,46 @@ def test_batched_generate_equals_one_prompt_at_a_time():
     batched = generate(model, prompts, 10)
     for row in range(3):
         assert torch.equal(batched[row], generate(model, prompts[row:row + 1], 10)[0])
+
+
+# ---------------------------------------------------------------- devices, with CPU stand-ins
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_heads_take_the_base_models_dtype_and_device(share_lm_head):
+    """Heads are made where the base lives, in its dtype: a bf16 base and a base on the `meta`
+    device (stand-ins for a GPU) give heads of the same dtype and device, and in bf16 the
+    zero-initialised heads still equal the base logits exactly."""
+    torch.manual_seed(0)
+    bf16 = MedusaModel(GPT(tiny_config()).to(torch.bfloat16), num_heads=3, share_lm_head=share_lm_head).eval()
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    base_logits, head_logits = bf16(torch.randint(0, 32, (2, 7)))
+    assert all(torch.equal(head_logits[k], base_logits) for k in range(3))
+    with torch.device("meta"):
+        base = GPT(tiny_config())
+    meta = MedusaModel(base, num_heads=3, share_lm_head=share_lm_head)
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_stacked_heads_equal_head_logits(share_lm_head):
+    """HeadStack, the heads in four ops for decoding, gives head_logits' values."""
+    torch.manual_seed(0)
+    model = MedusaModel(GPT(tiny_config()), num_heads=4, share_lm_head=share_lm_head).eval()
+    for head in model.heads:
+        torch.nn.init.normal_(head.residual.weight, std=0.3)
+        torch.nn.init.normal_(head.residual.bias, std=0.3)
+    h = torch.randn(32)
+    for depth in (1, 4):
+        torch.testing.assert_close(HeadStack(model)(h, depth), model.head_logits(h, depth), atol=1e-5, rtol=1e-5)
+    assert share_lm_head == all(head.proj is None for head in model.heads)
+
+
+def test_divergence_report_gives_the_top2_margin():
+    """When greedy outputs differ, the failure names the first divergent token and the margin there."""
+    from conftest import assert_same_tokens
+    model = random_medusa().base
+    plain = generate(model, torch.tensor([[1, 2, 3]]), 6)
+    other = plain.clone()
+    other[0, 5] = (other[0, 5] + 1) % 32
+    with pytest.raises(AssertionError, match="position 5.*margin"):
+        assert_same_tokens(other, plain, model)

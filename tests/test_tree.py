@@ -58,20 +58,20 @@ def test_bad_trees_raise_clear_errors(choices, message):
         build_tree_buffers(choices)
 
 
-def test_generate_candidates_reads_head_ranks():
+def test_generate_candidates_reads_head_ranks(device):
     """Node (i1..ik) carries head k's rank-ik token; root is the argmax or the given token."""
     V = 10
-    base = torch.zeros(V); base[7] = 5.0
+    base = torch.zeros(V, device=device); base[7] = 5.0
     heads = torch.stack([torch.arange(V, dtype=torch.float),            # head 1 ranks: 9, 8, 7
-                         -torch.arange(V, dtype=torch.float)])          # head 2 ranks: 0, 1, 2
-    b = build_tree_buffers(DENSE_2x3)
+                         -torch.arange(V, dtype=torch.float)]).to(device)  # head 2 ranks: 0, 1, 2
+    b = build_tree_buffers(DENSE_2x3, device)
     tokens, candidates = generate_candidates(base, heads, b)
     expected = {(): 7, (0,): 9, (1,): 8, (0, 0): 0, (0, 1): 1, (0, 2): 2, (1, 0): 0, (1, 1): 1, (1, 2): 2}
     assert tokens.tolist() == [expected[p] for p in b.node_paths]
     assert candidates.tolist()[0] == [7, 8, 2]  # row 0 is the path root, (1), (1, 2)
-    tokens, candidates = generate_candidates(base, heads, b, root=torch.tensor(4))
+    tokens, candidates = generate_candidates(base, heads, b, root=torch.tensor(4, device=device))
     assert tokens[0] == 4 and (candidates[:, 0] == 4).all()
-    _, candidates = generate_candidates(base, heads, build_tree_buffers([(0,), (1,), (0, 0)]))
+    _, candidates = generate_candidates(base, heads, build_tree_buffers([(0,), (1,), (0, 0)], device))
     assert candidates.tolist() == [[7, 9, 0], [7, 8, -1]]  # padding is -1, never a token
 
 
