@@ -98,7 +98,8 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
     """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
     rotates each round).
 
-    modes: {name: (kind, kwargs)} with kind "plain" or "medusa". Returns, per (mode, threads): median
+    modes: {name: (kind, kwargs)} with kind "plain" or "medusa"; kwargs may name another "model".
+    Returns, per (mode, threads): median
     seconds per prompt, outputs, and the Medusa stats of the last repeat."""
     keys = [(name, t) for name in modes for t in threads]
     runs = {key: {"seconds": [], "outputs": [], "stats": []} for key in keys}
@@ -108,14 +109,16 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
         for r in range(repeats):
             for name, t in keys[r % len(keys):] + keys[:r % len(keys)]:
                 kind, kwargs = modes[name]
+                kwargs = dict(kwargs)
+                m = kwargs.pop("model", model)  # a mode may bring its own model (ablation.py)
                 if t is not None:
                     torch.set_num_threads(t)
                 torch.manual_seed(1000 * p + r)  # sampled modes: the same seeds for every mode
                 if kind == "plain":
-                    seconds, out = timed(lambda: generate(model, idx, n_new, **kwargs), idx.device)
+                    seconds, out = timed(lambda: generate(m, idx, n_new, **kwargs), idx.device)
                     stats = None
                 else:
-                    seconds, (out, stats) = timed(lambda: medusa_generate(model, idx, n_new, **kwargs), idx.device)
+                    seconds, (out, stats) = timed(lambda: medusa_generate(m, idx, n_new, **kwargs), idx.device)
                 per_prompt[name, t].append(seconds)
                 if r == repeats - 1:
                     runs[name, t]["outputs"].append(out[0, idx.size(1):].tolist())

@@ -178,10 +178,10 @@ def head_metrics(model: MedusaModel, x, y, device):
 def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, device):
     """Stage 2: Medusa-1 heads on a frozen backbone (self-distilled by default); optional Medusa-2."""
     path = os.path.join(args.out, "heads.pt")
-    model = MedusaModel(base, num_heads=args.num_heads).to(device)
+    model = MedusaModel(base, num_heads=args.num_heads, share_lm_head=args.share_lm_head).to(device)
     settings = {k: getattr(args, k) for k in ("preset", "num_heads", "head_steps", "head_lr", "distill", "joint",
                                               "joint_steps", "distill_prompts", "distill_len", "seed",
-                                              "data", "tokenizer", "vocab_size", "val_plays")}
+                                              "data", "tokenizer", "vocab_size", "val_plays", "share_lm_head")}
     resume = None
     if os.path.exists(path):
         ckpt = load_checkpoint(path, config, device)
@@ -216,7 +216,8 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
         return loss, {"loss": f"{loss.item():.3f}", "head1 acc": f"{head1_acc.item():.2f}"}
 
     def save(step, opt, history, done, metrics=None):
-        save_checkpoint(path, config=dataclasses.asdict(config), num_heads=args.num_heads, model=model.state_dict(),
+        save_checkpoint(path, config=dataclasses.asdict(config), num_heads=args.num_heads,
+                        share_lm_head=args.share_lm_head, model=model.state_dict(),
                         tokenizer=tokenizer, settings=settings, optimizer=opt.state_dict(), step=step,
                         history=history, done=done, metrics=metrics or {}, rng=g.get_state())
         if not done:
@@ -300,6 +301,8 @@ def parse_args(argv=None):
     p.add_argument("--no-distill", dest="distill", action="store_false",
                    help="train the heads on the corpus instead of the model's own generated text")
     p.add_argument("--joint", action="store_true", help="Medusa-2: then train backbone and heads together")
+    p.add_argument("--share-lm-head", action="store_true",
+                   help="heads project through the frozen base lm_head (Hydra, EAGLE) instead of a copy each")
     p.add_argument("--resume", action="store_true", help="continue an interrupted stage from its checkpoint")
     p.add_argument("--threads", type=int,
                    help="torch CPU threads for everything; default: training on all cores, and decoding "

@@ -1,0 +1,92 @@
+"""Ablation: Medusa heads that share the base model's lm_head, against the paper's per-head copy.
+
+    python ablation.py --out out      # after `python train_heads.py`; trains out/shared/, prints the table
+
+The paper gives each head its own copy of the vocabulary projection (W2 = a copy of lm_head, then
+trained). Hydra and EAGLE project through the base model's own frozen lm_head instead, so a head is
+only its residual block. With a small model and a 2048-token vocabulary, a copied projection is a
+sixth of the base model's parameters per head; on SmolLM2 it would be 28M per head.
+
+Both kinds of heads are trained the same way, on the same base model and the same self-distilled
+text (train_heads.py with --share-lm-head, reusing out/'s base model and text), and choose their own
+tree. Then both are decoded side by side, interleaved with plain decoding, every side at every
+thread count. Writes out/ablation.json.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+import benchmark
+import common
+import train_heads
+
+
+def head_parameters(model):
+    return sum(p.numel() for head in model.heads for p in head.parameters())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="out", help="the folder `python train_heads.py` wrote (paper heads)")
+    p.add_argument("--threads", type=int, help="one CPU thread count (default: every count from 1 to the cores)")
+    a = p.parse_args(argv)
+    device = common.pick_device()
+    paper, ckpt = common.load_medusa(os.path.join(a.out, "heads.pt"), device)
+    if "tree" not in ckpt:
+        raise ValueError(f"{a.out}/heads.pt has no tree yet: run train_heads.py to the end first")
+    if ckpt["settings"].get("share_lm_head"):
+        raise ValueError(f"{a.out}/heads.pt already shares the lm_head: point --out at a run with the paper's heads")
+
+    # The shared-head run reuses the paper run's base model, tokenizer, token ids and distilled text.
+    shared_out = os.path.join(a.out, "shared")
+    os.makedirs(shared_out, exist_ok=True)
+    for name in os.listdir(a.out):
+        if name.startswith(("base.pt", "bpe", "train_ids", "val_ids", "distill.pt")):
+            if not os.path.exists(os.path.join(shared_out, name)):
+                shutil.copy2(os.path.join(a.out, name), shared_out)
+    settings = ckpt["settings"]
+    train_heads.main(["--out", shared_out, "--preset", settings["preset"], "--seed", str(settings["seed"]),
+                      "--share-lm-head"] + (["--threads", str(a.threads)] if a.threads else []))
+    shared, shared_ckpt = common.load_medusa(os.path.join(shared_out, "heads.pt"), device)
+
+    args = common.run_args(settings["preset"], a.out, **{k: v for k, v in settings.items() if k != "preset"})
+    _, _, _, val_ids = common.prepare_data(args)
+    prompts = common.random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
+    threads = benchmark.thread_counts(device, a.threads)
+    trees = {"paper": [tuple(q) for q in ckpt["tree"]], "shared": [tuple(q) for q in shared_ckpt["tree"]]}
+    modes = {"plain greedy": ("plain", {}),
+             "paper": ("medusa", dict(choices=trees["paper"])),
+             "shared": ("medusa", dict(choices=trees["shared"], model=shared))}
+    print(f"ablation: 3 modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
+          f"{args.report_tokens} tokens, interleaved")
+    runs = benchmark.compare(paper, prompts, args.report_tokens, modes, repeats=3, threads=threads)
+    rows = {}
+    for name, model, c in (("paper", paper, ckpt), ("shared", shared, shared_ckpt)):
+        row = benchmark.summarise(runs, name, "plain greedy", threads, args.report_tokens)
+        same = [x == y for x, y in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
+        rows[name] = {"head_parameters": head_parameters(model), "base_parameters": sum(
+                          q.numel() for q in model.base.parameters()),
+                      "head_top1_greedy": [acc[0] for acc in c["accuracies"]], "tree_nodes": len(trees[name]),
+                      "greedy_identical": sum(same) / len(same), **row}
+    print("\n| heads | parameters (all heads) | head top-1 on greedy text | tree | tokens/step | tokens/s (best) "
+          "| speedup (best vs best) | = plain greedy |\n|---|---|---|---|---|---|---|---|")
+    for name, label in (("paper", "own copy of lm_head (paper)"), ("shared", "shared frozen lm_head")):
+        r = rows[name]
+        print(f"| {label} | {r['head_parameters'] / 1e6:.2f}M ({r['head_parameters'] / r['base_parameters']:.0%} of the "
+              f"base) | {' '.join(f'{x:.2f}' for x in r['head_top1_greedy'])} | {r['tree_nodes']} nodes | "
+              f"{r['tokens_per_step']:.2f} | {r['tokens_per_s']:.0f} ({r['threads']} thr) | {r['speedup']:.2f}x | "
+              f"{r['greedy_identical']:.0%} |")
+    with open(os.path.join(a.out, "ablation.json"), "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
