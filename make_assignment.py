@@ -3,11 +3,14 @@
     python make_assignment.py --list                       # the assignments, what they stub, what grades them
     python make_assignment.py 2 --out out/assignment-2     # the whole project, assignment 2 stubbed
 
-assignments.toml says, for each assignment, which functions become stubs and which tests grade it.
-A stub keeps its decorators, signature and docstring; its body becomes one line,
-`raise NotImplementedError("Assignment N: <hint>")`. Functions are found by name with `ast` and
-rewritten by line range, so the rest of every file is copied byte for byte and the source carries
-no solution markers. See the README, "For instructors".
+assignments.toml says, for each assignment, which functions become stubs (with a short nudge, and a
+full hint that `python grade.py --hint NAME` prints) and which tests grade it. Assignments are handed
+out in the order of that file: the copy for N also stubs every later assignment's functions (no
+hint), so it holds no solution the student has not written yet, and grade.py grades N on the tests
+that do not need them. A stub keeps its decorators, signature and docstring; its body becomes one
+line, `raise NotImplementedError("Assignment N: <nudge>")`. Functions are found by name with `ast`
+and rewritten by line range, so the rest of every file is copied byte for byte and the source
+carries no solution markers. See the README, "For instructors".
 """
 import argparse
 import ast
@@ -16,8 +19,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+from grade import (UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
+                   load_mapping, replace_body)
 
 ROOT = Path(__file__).resolve().parent
 MAPPING = "assignments.toml"
@@ -29,18 +34,19 @@ SKIP_SUFFIXES = (".pyc", ".pt")
 
 
 # ----------------------------------------------------------------------------------------------
-# The mapping (assignments.toml)
-
-def load_mapping(path=ROOT / MAPPING) -> dict:
-    with open(path, "rb") as f:
-        return tomllib.load(f)
-
+# The mapping (assignments.toml; grade.py reads it too, and finds functions by name the same way)
 
 def get_assignment(mapping: dict, number) -> dict:
     assignments = mapping.get("assignment", {})
     if str(number) not in assignments:
-        raise ValueError(f"no assignment {number!r} in {MAPPING}: choose one of {', '.join(assignments)}")
+        raise UsageError(f"no assignment {number!r} in {MAPPING}: choose one of {', '.join(assignments)}")
     return assignments[str(number)]
+
+
+def later_assignments(mapping: dict, number) -> list[str]:
+    """The assignments after `number` in assignments.toml: the order they are handed out in."""
+    order = list(mapping["assignment"])
+    return order[order.index(str(number)) + 1:]
 
 
 def stubs_by_file(assignment: dict) -> dict[str, list[tuple[str, str]]]:
@@ -52,58 +58,13 @@ def stubs_by_file(assignment: dict) -> dict[str, list[tuple[str, str]]]:
     return by_file
 
 
+def later_hint(number) -> str:
+    """What a later assignment's stub says in the copy for `number`: no hint, it is not this copy's work."""
+    return f"comes after assignment {number}; not part of this copy"
+
+
 # ----------------------------------------------------------------------------------------------
-# Stubbing by line range: find the def with ast, replace the lines after its docstring
-
-def find_function(module: ast.Module, name: str) -> ast.FunctionDef:
-    """The def called `name` ("function" or "Class.method") at the top level of a module."""
-    *classes, func = name.split(".")
-    scope = module.body
-    for cls in classes:
-        node = next((n for n in scope if isinstance(n, ast.ClassDef) and n.name == cls), None)
-        if node is None:
-            raise LookupError(f"no class {cls!r} for {name!r}")
-        scope = node.body
-    node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == func), None)
-    if node is None:
-        raise LookupError(f"no function {name!r}")
-    return node
-
-
-def _has_docstring(func) -> bool:
-    first = func.body[0]
-    return isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
-
-
-def body_range(source: str, name: str) -> tuple[int, int, str]:
-    """Lines [start, end) (0-based) of the body of `name` after its docstring, and the body's indent."""
-    lines = source.splitlines(keepends=True)
-    func = find_function(ast.parse(source), name)
-    first = func.body[0]
-    indent = lines[first.lineno - 1][:first.col_offset]
-    if indent.strip():
-        raise ValueError(f"{name}: the body must start on its own line, not after the colon")
-    if _has_docstring(func):
-        start = first.end_lineno  # the line after the docstring's closing quotes
-        if len(func.body) > 1 and func.body[1].lineno == first.end_lineno:
-            raise ValueError(f"{name}: a statement shares the docstring's last line")
-    else:
-        start = first.lineno - 1
-    return start, func.end_lineno, indent
-
-
-def get_body(source: str, name: str) -> list[str]:
-    """The source lines of `name`'s body after its docstring."""
-    start, end, _ = body_range(source, name)
-    return source.splitlines(keepends=True)[start:end]
-
-
-def replace_body(source: str, name: str, new_body: list[str]) -> str:
-    """`source` with the body of `name` after its docstring replaced by the lines `new_body`."""
-    start, end, _ = body_range(source, name)
-    lines = source.splitlines(keepends=True)
-    return "".join(lines[:start] + new_body + lines[end:])
-
+# Stubbing: the body after the docstring becomes one raise
 
 def stub_line(indent: str, number, hint: str, newline: str = "\n") -> str:
     message = f"Assignment {number}: {hint}"
@@ -152,34 +113,60 @@ def _toml_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
 
-def student_mapping(number, assignment: dict) -> str:
-    """assignments.toml for a student version: only its own assignment, so `python grade.py` needs no number."""
-    out = [f"# Written by make_assignment.py: the one assignment of this copy. Grade it with: python grade.py\n",
-           f"\n[assignment.{number}]\n",
-           f"title = {_toml_string(assignment['title'])}\n"]
+def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
+    out = [f"\n[assignment.{number}]\n", f"title = {_toml_string(assignment['title'])}\n"]
     for key in ("tests", "private"):
         items = "".join(f"\n    {_toml_string(t)}," for t in assignment.get(key, []))
         out.append(f"{key} = [{items}\n]\n" if items else f"{key} = []\n")
     out.append(f"\n[assignment.{number}.stubs]\n")
     out += [f"{_toml_string(k)} = {_toml_string(v)}\n" for k, v in assignment["stubs"].items()]
+    if hints and assignment.get("hints"):
+        out.append(f"\n[assignment.{number}.hints]\n")
+        out += [f"{_toml_string(k)} = {_toml_string(v)}\n" for k, v in assignment["hints"].items()]
+    return out
+
+
+def student_mapping(number, assignment: dict, later: dict[str, dict] = {}) -> str:
+    """assignments.toml for a student version: its assignment (the default of `python grade.py`), with
+    its full hints; then the later assignments, stubbed here, with no hints: grade.py needs their tests
+    to know which of this assignment's tests wait for them."""
+    out = [f"# Written by make_assignment.py: assignment {number}, graded with: python grade.py\n",
+           f"default = {_toml_string(str(number))}\n"]
+    out += _toml_entry(number, assignment, hints=True)
+    for m, a in later.items():
+        stubs = {key: later_hint(number) for key in a["stubs"]}
+        out += _toml_entry(m, dict(title=a["title"], tests=a["tests"], private=a.get("private", []), stubs=stubs),
+                           hints=False)
     return "".join(out)
 
 
-def student_note(number, assignment: dict, line_numbers: dict[str, int]) -> str:
+def student_note(number, assignment: dict, line_numbers: dict[str, int], graded: list[str],
+                 waiting: dict[str, list[str]]) -> str:
     """ASSIGNMENT.md: what to implement and how to grade it."""
     rows = "".join(f"| `{key.partition(':')[2]}` | `{key.partition(':')[0]}` line {line_numbers[key]} | {hint} |\n"
                    for key, hint in assignment["stubs"].items())
-    tests = "".join(f"- `{t}`\n" for t in assignment["tests"])
+    tests = "".join(f"- `{t}`\n" for t in graded)
     private = (f"\nYour instructor also runs {len(assignment['private'])} private test(s) when grading.\n"
                if assignment.get("private") else "")
+    later = ""
+    if waiting:
+        later = ("\nThese tests also check your functions, end to end, but need later assignments; they are "
+                 "graded with those (`python grade.py` lists them as LATER):\n\n"
+                 + "".join(f"- `{t}` (assignment {m})\n" for m, ts in waiting.items() for t in ts))
+    name = next(iter(assignment["stubs"])).partition(":")[2].rpartition(".")[2]
     return f"""# Assignment {number}: {assignment['title']}
 
 Everything in this copy of medusa-mini works except the functions below: each keeps its signature
-and docstring, and its body raises `NotImplementedError` with a hint. Implement them.
+and docstring, which states what it must do, and its body raises `NotImplementedError` with a short
+nudge. Implement them. The functions of later assignments are stubs too, with no hint: they are
+not part of this assignment.
 
-| function | where | hint |
+| function | where | nudge |
 |---|---|---|
 {rows}
+Stuck? `python grade.py --hint NAME` prints the full hint for a function, e.g.
+`python grade.py --hint {name}`. Try the docstring and the failing test's message first.
+
 ## Grade yourself
 
 ```bash
@@ -187,43 +174,87 @@ python grade.py
 ```
 
 runs exactly the tests that grade this assignment and prints PASS or FAIL per test with the
-number of cases passed; it exits with 0 only when all pass. To see why a test fails:
-`python grade.py --tb short`, or `python -m pytest "TEST"` with a name from the list below.
+number of cases passed, and for a failure what differed; it exits with 0 only when all pass.
+`python grade.py --tb short` adds the tracebacks; `python -m pytest "TEST"` runs one test. (The
+whole suite, `python -m pytest`, also runs tests of later assignments, which fail in this copy.)
 The tests:
 
-{tests}{private}
-Other tests of the project (`python -m pytest`) that need your functions fail until they are
-done; all the others already pass.
-"""
+{tests}{later}{private}"""
 
 
-def make_assignment(number, out, root=ROOT) -> list[str]:
-    """Copy the project at `root` into `out` with assignment `number` stubbed; return the files written."""
+def solution_lines(root: Path, files: list[str], keys) -> dict[str, list[str]]:
+    """{"file:function": the lines of its body found in no other Python file or function of the
+    project}: the lines that would give its solution away wherever else they appear."""
+    python = {f: read_source(root / f) for f in files if f.endswith(".py")}
+    out = {}
+    for key in keys:
+        file, _, name = key.partition(":")
+        body = "".join(get_body(python[file], name))
+        rest = "".join(t for f, t in python.items() if f != file) + python[file].replace(body, "")
+        out[key] = [line.strip() for line in body.splitlines() if len(line.strip()) > 20 and line.strip() not in rest]
+    return out
+
+
+def clear_leaking_outputs(notebook: str, lines) -> str:
+    """The notebook with the outputs cleared of every cell whose outputs show one of `lines` (a
+    stubbed function's source printed with inspect.getsource, say); unchanged if there is none."""
+    nb = json.loads(notebook)
+    changed = False
+    for cell in nb.get("cells", []):
+        shown = json.dumps(cell.get("outputs", []), ensure_ascii=False)
+        if any(json.dumps(line, ensure_ascii=False)[1:-1] in shown for line in lines):
+            cell["outputs"], changed = [], True
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n" if changed else notebook
+
+
+def make_assignment(number, out, root=ROOT, in_sequence=True) -> list[str]:
+    """Copy the project at `root` into `out` with assignment `number` stubbed, and (in_sequence) every
+    later assignment's functions stubbed without a hint; return the files written."""
     root, out = Path(root).resolve(), Path(out).resolve()
     mapping = load_mapping(root / MAPPING)
     assignment = get_assignment(mapping, number)
+    number = str(number)
+    later = {m: mapping["assignment"][m] for m in later_assignments(mapping, number)} if in_sequence else {}
     if out.is_relative_to(root) and not out.is_relative_to(root / "out"):
-        raise ValueError(f"write student versions under out/ (ignored by git) or outside the project, not {out}")
+        raise UsageError(f"write student versions under out/ (ignored by git) or outside the project, not {out}")
     if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty: give a new directory")
+        raise UsageError(f"{out} exists and is not empty: give a new directory")
     skip = tuple(mapping.get("exclude", [])) + (PRIVATE_DIR,)
     files = [f for f in project_files(root) if not f.startswith(skip)]
 
     stubbed, line_numbers = {}, {}  # stub everything before writing anything
-    for file, stubs in stubs_by_file(assignment).items():
-        if file not in files:
-            raise FileNotFoundError(f"{file} (stubs of assignment {number}) is not a project file")
-        stubbed[file] = stub_source(read_source(root / file), stubs, number)
-        for name, _ in stubs:
-            line_numbers[f"{file}:{name}"] = find_function(ast.parse(stubbed[file]), name).lineno
+    for n, a, hint in [(number, assignment, None)] + [(m, a, later_hint(number)) for m, a in later.items()]:
+        for file, stubs in stubs_by_file(a).items():
+            if file not in files:
+                raise UsageError(f"{file} (stubs of assignment {n}) is not a project file")
+            source = stubbed.get(file) or read_source(root / file)
+            stubbed[file] = stub_source(source, [(name, hint or h) for name, h in stubs], n)
+    for key in assignment["stubs"]:
+        file, _, name = key.partition(":")
+        line_numbers[key] = find_function(ast.parse(stubbed[file]), name).lineno
 
+    stubbed_keys = [k for a in [assignment, *later.values()] for k in a["stubs"]]
+    secret = [line for lines in solution_lines(root, files, stubbed_keys).values() for line in lines]
     for f in files:
         (out / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / f, out / f)
+        if f.endswith(".ipynb"):  # outputs that print a stubbed function's source would give it away
+            notebook = read_source(root / f)
+            cleared = clear_leaking_outputs(notebook, secret)
+            if cleared != notebook:
+                write_source(out / f, cleared)
     for file, source in stubbed.items():
         write_source(out / file, source)
-    (out / MAPPING).write_text(student_mapping(number, assignment), encoding="utf-8")
-    (out / "ASSIGNMENT.md").write_text(student_note(number, assignment, line_numbers), encoding="utf-8")
+    (out / MAPPING).write_text(student_mapping(number, assignment, later), encoding="utf-8")
+    waiting = {}
+    for spec in assignment["tests"]:
+        for m in later:
+            if spec not in graded_in_sequence({number: assignment, m: later[m]}, number):
+                waiting.setdefault(m, []).append(spec)
+                break
+    graded = [t for t in assignment["tests"] if not any(t in ts for ts in waiting.values())]
+    (out / "ASSIGNMENT.md").write_text(student_note(number, assignment, line_numbers, graded, waiting),
+                                       encoding="utf-8")
     return sorted(set(files) | {MAPPING, "ASSIGNMENT.md"})
 
 
@@ -236,25 +267,36 @@ def print_table(mapping: dict):
             print(f"    {t}")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Write a student version of medusa-mini for one assignment.")
+    parser = _Parser(description="Write a student version of medusa-mini for one assignment.")
     parser.add_argument("number", nargs="?", help="the assignment to stub, as numbered in assignments.toml")
     parser.add_argument("--out", help="directory to write the student version into (new or empty)")
     parser.add_argument("--list", action="store_true", help="print the assignments and exit")
-    args = parser.parse_args(argv)
-    if args.list:
-        print_table(load_mapping())
-        return 0
-    if args.number is None or args.out is None:
-        parser.error("give an assignment number and --out DIR (or --list)")
+    parser.add_argument("--keep-later", action="store_true",
+                        help="leave later assignments' functions solved (their reference code is then in the "
+                             "copy): only for an assignment handed out on its own")
     try:
-        files = make_assignment(args.number, args.out)
-    except (ValueError, FileExistsError, FileNotFoundError, LookupError) as e:
-        print(f"make_assignment.py: error: {e}", file=sys.stderr)
+        args = parser.parse_args(argv)
+        if args.list:
+            print_table(load_mapping(ROOT / MAPPING))
+            return 0
+        if args.number is None or args.out is None:
+            raise UsageError("give an assignment number and --out DIR (or --list)")
+        files = make_assignment(args.number, args.out, in_sequence=not args.keep_later)
+    except (UsageError, OSError, LookupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    a = get_assignment(load_mapping(), args.number)
+    mapping = load_mapping(ROOT / MAPPING)
+    a = get_assignment(mapping, args.number)
+    later = [] if args.keep_later else later_assignments(mapping, args.number)
     print(f"Wrote {len(files)} files to {args.out}: assignment {args.number}, {a['title']}.")
-    print(f"Stubbed: {', '.join(k.replace(':', ' ') for k in a['stubs'])}.")
+    print(f"Stubbed: {', '.join(k.replace(':', ' ') for k in a['stubs'])}"
+          + (f"; and, with no hint, the functions of assignment(s) {', '.join(later)}." if later else "."))
     print(f"Students read {os.path.join(args.out, 'ASSIGNMENT.md')} and grade with: cd {args.out} && python grade.py")
     return 0
 

@@ -65,14 +65,20 @@ class KVCache:
         self.length += n
 
     def keep(self, start: int, indices):
-        """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start."""
+        """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start.
+
+        indices: a 1-D integer tensor on the cache's device, ascending, offsets counted from `start`
+        (so 0 is the entry in slot `start`). Every layer, keys and values alike. Afterwards
+        length == start + len(indices); slots from there on are free to be written over."""
         n = len(indices)
         self.k[:, :, :, start:start + n] = self.k[:, :, :, start:][:, :, :, indices]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, start:][:, :, :, indices]
         self.length = start + len(indices)
 
     def rollback(self, length: int):
-        """Forget every entry after the first `length` (the slots are simply overwritten later)."""
+        """Forget every entry after the first `length` (the slots are simply overwritten later).
+
+        Afterwards self.length == length; nothing is erased or copied."""
         self.length = length
 
 
@@ -174,6 +180,10 @@ class MedusaHead(nn.Module):
     lm_head itself (as Hydra and EAGLE do): then a head is only its residual block."""
 
     def __init__(self, base, share_lm_head: bool = False):
+        """The head of a base GPT: `residual`, nn.Linear(C, C) holding W1 and b1, and `proj`,
+        nn.Linear(C, V, bias=False) holding W2 (None when share_lm_head: the base's lm_head serves).
+        On the base's device and in its dtype. At init the head's logits equal the base's exactly
+        (torch.equal) for every input, and W2 is the head's own copy of lm_head's weight."""
         super().__init__()
         C, V = base.config.n_embd, base.config.vocab_size
         w = base.lm_head.weight  # the heads live where the base does, in its dtype
@@ -187,6 +197,8 @@ class MedusaHead(nn.Module):
                 self.proj.weight.copy_(w)
 
     def forward(self, h, lm_head: nn.Module):
+        """h (..., C) last hidden states -> logits (..., V). `lm_head` is the base's, used as W2 when
+        the head has no `proj` of its own."""
         proj = lm_head if self.proj is None else self.proj
         return proj(h + F.silu(self.residual(h)))  # (..., C) -> (..., V)
 
@@ -238,7 +250,9 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
     """Medusa-1 loss sum_k decay^k CE_k: head k at position t is trained on token t+k+1.
 
     head_logits (K, B, T, V); targets (B, T), the next tokens (targets[:, t] = token t+1).
-    So head k (1-based) at position t is scored against targets[:, t+k]. Returns (loss, per-head losses)."""
+    So head k (1-based) at position t is scored against targets[:, t+k]: only T - k positions.
+    CE_k is the mean cross-entropy over those positions and the batch.
+    Returns (loss, a 0-d tensor; per-head losses, (K,)). ValueError if T <= K (a head with no target)."""
     K, B, T, V = head_logits.shape
     if T <= K:
         raise ValueError(f"{T} positions leave head {K} no target: sequences must be longer than the number of heads")
@@ -340,7 +354,12 @@ def prefill(model: MedusaModel, idx, extra: int = 0) -> DecodeState:
 def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: KVCache):
     """Step 2: one forward over all N tree nodes on top of the S cached tokens (S + N entries after it).
 
-    Returns hidden states (N, C) and base logits (N, V); logits[n] predicts the token after node n."""
+    tree_tokens (N,) in node order. Before: cache.length == S, the committed tokens
+    (state.tokens.size(1) before the step). Each node sits at position S + its depth and sees the
+    S committed tokens, its ancestors and itself (buffers.attn_bias). After: cache.length == S + N,
+    node n's entry in slot S + n. Returns hidden states (N, C) and base logits (N, V);
+    logits[n] predicts the token after node n. ValueError if the deepest node would sit at or
+    past block_size."""
     S = cache.length
     if S + buffers.depth >= model.base.config.block_size:
         raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size="
@@ -356,10 +375,16 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
 
     logits (P, L, V): logits[r, j] predicts token j+1 of row r. candidates (P, L), padded with -1.
     path_lengths (P,): real tokens per row, root included (default: the non-negative entries).
+    A row ends at its first -1 (or at path_lengths); padding is never accepted. Slot 0 (the root)
+    is never judged; logits[:, -1] judge nothing.
     Greedy (temperature 0): accept while the token is the argmax; best = first longest row.
-    Typical: accept while p(token) > min(epsilon, alpha * exp(-H)); among the longest rows the
-    best has the largest sum of log p over its accepted tokens (ties: the first such row).
-    Returns (best_row, accept_length) ints: the step's only read from the device."""
+    Typical: with p = softmax(logits / temperature) and H its entropy (natural log, 0 log 0 = 0),
+    accept while p(token) > min(posterior_threshold, posterior_alpha * exp(-H)) (the paper's epsilon
+    and alpha), strictly; among the longest rows the
+    best has the largest sum of log p over its accepted tokens only (ties: the first such row).
+    A row's accept length is its leading run of accepted drafts: nothing after a rejection counts.
+    Nothing accepted anywhere: (0, 0) in both modes.
+    Returns (best_row, accept_length) Python ints: the step's only read from the device."""
     P, L = candidates.shape
     if logits.shape[:2] != (P, L):
         raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")
@@ -395,7 +420,14 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
 
 def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: float):
     """Exact sampling: from the root, draw x ~ softmax(logits[node] / T); step into the child whose
-    token is x, else stop. Returns (walked node indices, x drawn at the stopping node = next root)."""
+    token is x, else stop. Returns (walked node indices, x drawn at the stopping node = next root).
+
+    logits (N, V): per tree node, logits[n] predicts the token after node n. tree_tokens (N,): the
+    root's token, tree_tokens[0], is already drawn and committed; the walk only decides what follows
+    it. buffers.children[n]: node n's children. One draw per node visited (sample_token at
+    `temperature`), none after the walk stops. walked: a list of Python ints starting with 0, each a
+    child of the one before; x: the 0-d tensor drawn at walked[-1], never the token of one of its
+    children."""
     node, walked = 0, [0]
     while True:
         x = sample_token(logits[node], temperature)
@@ -409,7 +441,15 @@ def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: flo
 def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, best: int, accept: int,
                   candidates, h, logits):
     """Step 4: commit row `best`'s first accept + 1 nodes, keep their cache entries in contiguous
-    slots, and take the next logits from the last accepted node (no extra forward)."""
+    slots, and take the next logits from the last accepted node (no extra forward).
+
+    best, accept: Python ints from step 3; candidates (P, L); h (N, C) and logits (N, V) from the
+    tree pass. Before: S = state.tokens.size(1) committed tokens, and the cache holds S + N entries
+    (the tree's, node n in slot S + n). After: state.tokens (1, S + accept + 1), a view of
+    state.buffer, ends with row best's first accept + 1 tokens (the root first); the cache holds
+    exactly their entries, in slots S .. S + accept; state.logits (V,) and state.head_logits
+    (buffers.depth, V) are the base and head logits at the last accepted node (state.heads gives
+    the heads' logits in one batched product). Returns the kept node indices, a tensor (accept + 1,)."""
     S = state.tokens.size(1)
     nodes = buffers.retrieve_indices[best, :accept + 1]             # (a+1,) node indices on the device
     last = buffers.rows[best][accept]                               # the last of them, read on the host

@@ -65,7 +65,12 @@ def validate_choices(choices) -> list[Path]:
 
 def build_tree_buffers(choices, device=None) -> TreeBuffers:
     """Mask, position ids and retrieve indices for a tree (docs/medusa.md section 2), on `device`
-    (default: the CPU). Build them where the model is: indexing across devices fails."""
+    (default: the CPU). Build them where the model is: indexing across devices fails.
+
+    Every field is defined by its comment in TreeBuffers, in node order: the root (), then the
+    paths sorted by (len(path), path). Retrieve rows: walk the nodes from last to first and start
+    a row at every node not yet on a recorded row; so row 0 ends at the last node. ValueError
+    (from validate_choices) for an empty, non-prefix-closed or malformed tree."""
     node_paths = [()] + validate_choices(choices)
     index = {path: i for i, path in enumerate(node_paths)}
     N = len(node_paths)
@@ -129,7 +134,8 @@ def _tree_cuts(choices: tuple, device: str) -> dict[int, TreeBuffers]:
 def gather_paths(node_values: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
     """Lay per-node values (N, ...) out along the root-to-leaf paths: (P, L, ...).
 
-    Padded slots (-1) read the root's value; acceptance never looks at them (path_lengths)."""
+    out[r, j] = node_values[retrieve_indices[r, j]]. Padded slots (-1) read the root's value, not
+    the last node's; acceptance never looks at them (path_lengths)."""
     return node_values[buffers.gather_index]  # (N, ...) -> (P, L, ...)
 
 
@@ -137,7 +143,9 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
     """Step 1 of a Medusa step: the tree's tokens and its candidate paths at the last position.
 
     base_logits (V,), head_logits (K, V) -> tree_tokens (N,), candidates (P, L) padded with -1.
-    The root is the base model's argmax unless a sampled `root` token is given (exact sampling)."""
+    The root is the base model's argmax unless a sampled `root` token (0-d tensor) is given.
+    Node (i1..ik) carries head k's rank-ik token (rank 0 = most likely); only the first
+    buffers.depth heads are read. candidates[r] = the tokens of retrieve row r, -1 where padded."""
     if root is None:
         root = base_logits.argmax(-1)
     guesses = head_logits[:buffers.depth].topk(buffers.topk, dim=-1).indices  # (K, V) -> (D, topk)

@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
+from memo import trained_once  # noqa: E402
 
 
 def tiny_config(**kw):
@@ -55,19 +56,29 @@ def device(request):
     return device
 
 
-def assert_same_tokens(fast, plain, model):
+def assert_same_tokens(fast, plain, model, stats=None, prompt_length=None):
     """Greedy Medusa output equals plain greedy output; if not, say where and how close the call was.
 
     On a GPU a one-token pass and a tree pass may use different kernels whose results differ in
     the last bits, which can flip an argmax where the top two logits (nearly) tie. The message gives
-    the top-2 logit margin at the first divergent token, so such a near-tie is told from a bug."""
+    the top-2 logit margin at the first divergent token, so such a near-tie is told from a bug; with
+    the step's stats and the prompt's length, also which step committed it and at which depth."""
+    if fast.shape != plain.shape:
+        raise AssertionError(f"medusa gave shape {tuple(fast.shape)}, plain {tuple(plain.shape)}")
     if torch.equal(fast, plain):
         return
     t = int((fast != plain).nonzero()[0, 1])
+    where = f"position {t}"
+    if prompt_length is not None:
+        new = t - prompt_length
+        where += f", new token {new} after a {prompt_length}-token prompt"
+        if stats is not None and 0 <= new < len(stats.token_depths):
+            step = sum(1 for d in stats.token_depths[:new + 1] if d == 0) - 1
+            where += f", committed by step {step} at depth {stats.token_depths[new]}"
     base = getattr(model, "base", model)
     with torch.no_grad():
         top2 = base(plain[:, :t])[0, -1].float().topk(2).values
-    raise AssertionError(f"first divergent token at position {t}: medusa {fast[0, t].item()}, plain "
+    raise AssertionError(f"first divergent token at {where}: medusa {fast[0, t].item()}, plain "
                          f"{plain[0, t].item()}; plain's top-2 logit margin there is {float(top2[0] - top2[1]):.3g}")
 
 
@@ -75,6 +86,11 @@ def assert_same_tokens(fast, plain, model):
 def periodic_model(device):
     """Base and heads trained for a few seconds on a periodic sequence: heads are accurate, so
     Medusa steps commit several tokens."""
+    return train_periodic_model().to(device)
+
+
+@trained_once
+def train_periodic_model():
     torch.manual_seed(0)
     model = MedusaModel(GPT(tiny_config()), num_heads=4)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -88,4 +104,31 @@ def periodic_model(device):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model.eval().to(device)
+    return model.eval()
+
+
+def clock_model(num_heads=4, vocab_size=32, block_size=64, n_embd=64):
+    """A hand-made model that writes its own position: the token at position t is t mod V, whatever
+    the prompt. Its heads are perfect (head k guesses t+k+1 mod V at position t), so every Medusa step
+    commits a full path; and a token placed at the wrong position comes out as the wrong number.
+
+    How: the blocks are switched off (zero output projections), so h_t = LayerNorm(wte[x_t] + wpe[t]).
+    wte holds orthonormal rows e_v (lm_head is tied to it), wpe[t] = 8 e_{(t+1) mod V}, and head k
+    projects through e_{(v-k) mod V}: the position term outweighs the token term 8 to 1."""
+    torch.manual_seed(0)
+    model = MedusaModel(GPT(tiny_config(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd)),
+                        num_heads=num_heads)
+    e = torch.linalg.qr(torch.randn(n_embd, n_embd))[0][:vocab_size]      # (V, C), orthonormal rows
+    e = e - e.mean(1, keepdim=True)                                      # LayerNorm removes the mean
+    next_of = (torch.arange(block_size) + 1) % vocab_size
+    with torch.no_grad():
+        for block in model.base.h:
+            for layer in (block.attn.c_proj, block.mlp[-1]):
+                layer.weight.zero_()
+                layer.bias.zero_()
+        model.base.wte.weight.copy_(e)
+        model.base.wpe.weight.copy_(8 * e[next_of])
+        for k, head in enumerate(model.heads, start=1):
+            head.proj.weight.copy_(e.roll(k, dims=0))                     # row v = e_{(v-k) mod V}
+    return model.eval()
+

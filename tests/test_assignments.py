@@ -1,10 +1,12 @@
 """The course assignment kit: assignments.toml, make_assignment.py and grade.py.
 
-For every assignment N, the student version imports cleanly and fails exactly the tests listed for
-N, each with N's own NotImplementedError; every other test in the graded test files passes.
-Putting the original bodies back into each student version gives the project byte for byte; graded
-as an instructor grades a submission (the full assignments.toml copied in), such a copy passes
-every assignment. The copies are made once and run two at a time: about 50 CPU-seconds."""
+With only assignment N stubbed, the student version imports cleanly and fails exactly the tests
+listed for N, each with N's own NotImplementedError; every other test in the graded test files
+passes. Putting the original bodies back into each such version gives the project byte for byte;
+graded as an instructor grades a submission (the full assignments.toml copied in), such a copy
+passes every assignment. Handed out in sequence, the copy for N holds no reference body of N or of
+any later assignment, and grades N on exactly the tests that do not need a later one. The copies
+are made once and run two at a time: about 60 CPU-seconds."""
 import ast
 import json
 import os
@@ -92,21 +94,26 @@ def kit(tmp_path_factory):
     project_bytes = {f: (ROOT / f).read_bytes() for f in ma.project_files(ROOT)}  # before any copy
     jobs = {}  # name: (directory, python arguments), longest first
     for n in ASSIGNMENTS:
-        ma.make_assignment(n, base / f"restored-{n}")
+        ma.make_assignment(n, base / f"restored-{n}", in_sequence=False)
         restore_bodies(base / f"restored-{n}", n)
     # Graded as an instructor grades a submission: their mapping and private tests copied over it.
     restored = base / f"restored-{ASSIGNMENTS[0]}"
     shutil.copy2(ROOT / ma.MAPPING, restored / ma.MAPPING)
     jobs["restored"] = (restored, ["grade.py", "--json", "result.json"])
     for n in ASSIGNMENTS:
-        ma.make_assignment(n, base / f"stubbed-{n}")
+        ma.make_assignment(n, base / f"stubbed-{n}", in_sequence=False)
         jobs[f"stubbed-{n}"] = (base / f"stubbed-{n}", ["-c", RUN_SUITE, *GRADED_FILES])
+    # Handed out in sequence: assignment 3 as the student gets it, and once they have done it.
+    for name in ("in-sequence-3", "done-in-sequence-3"):
+        ma.make_assignment("3", base / name)
+        jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
+    restore_bodies(base / "done-in-sequence-3", "3")
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
             shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
     project = private_project(base)
     for name in ("private-missing", "private-present"):
-        ma.make_assignment("2", base / name, root=project)
+        ma.make_assignment("2", base / name, root=project, in_sequence=False)
         jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
     shutil.copytree(project / "tests/private", base / "private-present/tests/private")  # as when grading
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -150,7 +157,8 @@ def test_student_version_fails_exactly_its_graded_tests(kit, n):
         source = ma.read_source(copy / file)
         for name, hint in stubs:
             assert ma.get_body(source, name) == [ma.stub_line(ma.body_range(source, name)[2], n, hint)]
-    assert ma.load_mapping(copy / ma.MAPPING)["assignment"] == {n: dict(a, private=a.get("private", []))}
+    mapping = ma.load_mapping(copy / ma.MAPPING)
+    assert mapping["default"] == n and mapping["assignment"] == {n: dict(a, private=a.get("private", []))}
     assert (copy / "ASSIGNMENT.md").read_text().startswith(f"# Assignment {n}: {a['title']}")
     for excluded in MAPPING["exclude"]:
         assert not (copy / excluded).exists()
@@ -160,8 +168,13 @@ def test_student_version_fails_exactly_its_graded_tests(kit, n):
 def test_original_bodies_give_back_the_project(kit, n):
     """Every file of the student version, its stubs filled with the original bodies, is the project's."""
     copy = kit["base"] / f"restored-{n}"
+    files = [f for f in kit["project_bytes"] if not f.startswith(tuple(MAPPING["exclude"]))]
+    secret = [line for lines in ma.solution_lines(ROOT, files, MAPPING["assignment"][n]["stubs"]).values()
+              for line in lines]
     for f, original in kit["project_bytes"].items():
         if f != ma.MAPPING and not f.startswith((*MAPPING["exclude"], ma.PRIVATE_DIR)):
+            if f.endswith(".ipynb"):  # outputs showing a stubbed function's source are cleared
+                original = ma.clear_leaking_outputs(original.decode("utf-8"), secret).encode("utf-8")
             assert (copy / f).read_bytes() == original, f"{f} differs"
 
 
@@ -200,8 +213,10 @@ def test_make_assignment_refuses_bad_directories_and_unknown_numbers(tmp_path, c
     assert ma.main(["1", "--out", str(ROOT / "student-1")]) == 2  # the next copy would copy this one
     assert ma.main(["99", "--out", str(tmp_path / "new")]) == 2
     assert not (tmp_path / "new").exists() and not (ROOT / "student-1").exists()
+    assert ma.main(["1"]) == 2 and ma.main(["1", "--out", str(tmp_path / "new"), "--bogus"]) == 2
     err = capsys.readouterr().err
-    assert "not empty" in err and "under out/" in err and "no assignment '99'" in err
+    assert "not empty" in err and "under out/" in err and "no assignment '99'" in err and "--bogus" in err
+    assert all(line.startswith("error: ") for line in err.splitlines()), err  # one line each, no traceback
     assert ma.main(["--list"]) == 0
     assert "Assignment 1:" in capsys.readouterr().out
 
@@ -220,3 +235,69 @@ def test_stubbing_any_function_and_restoring_it_gives_back_the_file(file):
         indent = ma.body_range(stubbed, name)[2]
         assert ma.get_body(stubbed, name) == [ma.stub_line(indent, 0, "hint")], name
         assert ma.replace_body(stubbed, name, ma.get_body(source, name)) == source, name
+
+
+# ---------------------------------------------------------------- handed out in sequence
+
+@pytest.mark.parametrize("n", ASSIGNMENTS)
+def test_a_copy_holds_no_solution_ahead_of_the_student(tmp_path, n):
+    """The copy for N, as handed out: N's functions and every later assignment's are stubs; no line
+    of their reference bodies (notebook outputs included) nor a later assignment's full hint is in any file."""
+    copy = tmp_path / "copy"
+    ma.make_assignment(n, copy)
+    later = ma.later_assignments(MAPPING, n)
+    texts = {f: p.read_text(encoding="utf-8", errors="replace") for p in copy.rglob("*") if p.is_file()
+             for f in [p.relative_to(copy).as_posix()]}
+    files = [f for f in ma.project_files(ROOT) if not f.startswith(tuple(MAPPING["exclude"]))]
+    for m in [n] + later:
+        secret = ma.solution_lines(ROOT, files, MAPPING["assignment"][m]["stubs"])
+        assert sum(map(len, secret.values())) > 5, f"assignment {m}: too few lines of its own to look for: {secret}"
+        for key, lines in secret.items():
+            file, _, name = key.partition(":")
+            hint = MAPPING["assignment"][m]["stubs"][key] if m == n else ma.later_hint(n)
+            assert ma.get_body(texts[file], name) == [ma.stub_line(ma.body_range(texts[file], name)[2], m, hint)], \
+                f"copy for {n}: {key} (assignment {m}) is not a stub"
+            for line in lines:
+                where = [f for f, t in texts.items() if line in t]
+                assert not where, f"copy for {n}: {where[0]} holds {line!r} from the body of {key} (assignment {m})"
+        for key, full in MAPPING["assignment"][m].get("hints", {}).items():
+            if m != n:
+                assert not any(full.strip()[:80] in t for t in texts.values()), f"copy for {n} holds the hint of {key}"
+    mapping = ma.load_mapping(copy / ma.MAPPING)
+    assert mapping["default"] == n and list(mapping["assignment"]) == [n] + later
+    assert mapping["assignment"][n]["hints"] == MAPPING["assignment"][n]["hints"]
+    assert all("hints" not in mapping["assignment"][m] for m in later)
+
+
+def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(kit):
+    """grade.py in the copy for 3 as handed out: its own tests fail with its stubs, the end-to-end ones
+    wait for assignment 4 (LATER); once 3 is done, the copy passes although 4 and 5 are still stubs."""
+    graded_now = grade.graded_in_sequence(MAPPING["assignment"], "3")
+    waits = [t for t in graded("3") if t not in graded_now]
+    assert graded_now and waits
+    for name, code in (("in-sequence-3", 1), ("done-in-sequence-3", 0)):
+        proc, out = kit[name]
+        assert proc.returncode == code, out
+        result = json.loads((kit["base"] / name / "result.json").read_text())["assignments"]
+        assert [r["assignment"] for r in result] == ["3"], out
+        assert [r["test"] for r in result[0]["tests"]] == graded_now
+        assert [(r["test"], r["waits_for"]) for r in result[0]["later"]] == [(t, "4") for t in waits]
+        assert f"{len(waits)} more test(s) grade this assignment end to end" in proc.stdout
+        for r in result[0]["tests"]:
+            assert (r["passed"] == r["cases"] > 0) if code == 0 else "NotImplementedError: Assignment 3:" in r["message"]
+
+
+def test_hints_in_two_levels(capsys):
+    """The stub gives a one-line nudge; grade.py --hint NAME prints the full hint, whole, and says
+    clearly (one line, exit 2) when there is no such function."""
+    for n, a in MAPPING["assignment"].items():
+        assert list(a["hints"]) == list(a["stubs"]), f"assignment {n}: one full hint per stub"
+        for key, full in a["hints"].items():
+            nudge = a["stubs"][key]
+            assert len(nudge) <= 150 and len(full) > 2 * len(nudge), f"{key}: a short nudge, a longer hint"
+            assert grade.main(["--hint", key]) == 0
+            assert full.strip() in capsys.readouterr().out  # never cut
+    assert grade.main(["--hint", "no_such_function"]) == 2
+    assert grade.main(["99"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err), err

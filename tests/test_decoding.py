@@ -1,13 +1,16 @@
 """Medusa decoding against plain decoding: greedy equality, typical acceptance, exact sampling, errors."""
+import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PERIOD, assert_same_tokens, random_medusa, tiny_config
-from medusa_mini import GPT, MedusaModel, evaluate_posterior, generate, medusa_generate, medusa_loss
-from tree import dense_tree
+from conftest import PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
+from memo import trained_once
+from medusa_mini import (GPT, MedusaModel, evaluate_posterior, generate, medusa_generate, medusa_loss,
+                         sample_tree_walk)
+from tree import build_tree_buffers, dense_tree
 
 TREES = {
     "dense_2x2x2": dense_tree([2, 2, 2]),
@@ -23,15 +26,22 @@ TREES = {
 
 @pytest.mark.parametrize("tree", TREES)
 def test_greedy_medusa_equals_plain_greedy_on_a_trained_model(periodic_model, tree, device):
-    """Token for token identical to plain greedy, while steps really commit several tokens."""
+    """Token for token identical to plain greedy; and the heads of this model are perfect, so every
+    step commits a full path of the tree (depth + 1 tokens), as many as the tree can give."""
+    depth = max(map(len, TREES[tree]))
     for prompt in ([3, 17], [29, 11, 2, 23], [8]):
         idx = torch.tensor([prompt], device=device)
-        n = 40
+        n = 40  # a multiple of depth + 1 for every tree here: no step is cut short by the end
         plain = generate(periodic_model, idx, n)
         fast, stats = medusa_generate(periodic_model, idx, n, TREES[tree])
-        assert_same_tokens(fast, plain, periodic_model)
-        assert stats.tokens_per_step > 2.0
-        assert len(stats.token_depths) == n == sum(a + 1 for a in stats.accept_lengths)
+        assert_same_tokens(fast, plain, periodic_model, stats, len(prompt))
+        assert len(stats.token_depths) == n == sum(a + 1 for a in stats.accept_lengths), \
+            f"prompt {prompt}: {len(stats.token_depths)} token depths, accept lengths {stats.accept_lengths}"
+        short = [(step, a) for step, a in enumerate(stats.accept_lengths) if a != depth]
+        assert not short, (f"prompt {prompt}: step {short[0][0]} accepted {short[0][1]} tokens after the root, "
+                           f"not {depth}: the heads are perfect here, so each step should take a whole path "
+                           f"(are the next head logits taken at the last accepted node?); "
+                           f"accept lengths {stats.accept_lengths}")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -40,8 +50,8 @@ def test_greedy_medusa_equals_plain_greedy_on_a_random_model(seed, device):
     model = random_medusa(seed).to(device)
     idx = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(seed)).to(device)
     fast, stats = medusa_generate(model, idx, 30, TREES["sparse"])
-    assert_same_tokens(fast, generate(model, idx, 30), model)
-    assert stats.steps >= 10
+    assert_same_tokens(fast, generate(model, idx, 30), model, stats, 5)
+    assert stats.steps >= 10, f"30 tokens in {stats.steps} steps: random heads should rarely be accepted"
 
 
 def test_exactly_max_new_tokens_up_to_the_end_of_the_context(periodic_model):
@@ -50,16 +60,52 @@ def test_exactly_max_new_tokens_up_to_the_end_of_the_context(periodic_model):
     block = periodic_model.base.config.block_size
     for n in (1, 2, 3, block - 4):
         out, stats = medusa_generate(periodic_model, idx, n, TREES["chain_4"])
-        assert out.shape == (1, 4 + n) and len(stats.token_depths) == n
-        assert torch.equal(out, generate(periodic_model, idx, n))
-    assert max(stats.token_depths) == 4 and stats.token_depths[0] == 0
+        assert out.shape == (1, 4 + n) and len(stats.token_depths) == n, \
+            f"max_new_tokens={n}: output shape {tuple(out.shape)}, {len(stats.token_depths)} token depths"
+        plain = generate(periodic_model, idx, n)
+        assert_same_tokens(out, plain, periodic_model, stats, 4)
+    assert max(stats.token_depths) == 4 and stats.token_depths[0] == 0, f"token depths {stats.token_depths}"
 
 
 def test_token_depths_name_the_proposing_head(periodic_model):
     """Each step's committed tokens come from depths 0, 1, ..., accept_length."""
     _, stats = medusa_generate(periodic_model, torch.tensor([[3]]), 30, TREES["chain_4"])
     expected = [d for a in stats.accept_lengths for d in range(a + 1)]
-    assert stats.token_depths == expected and stats.steps == len(stats.accept_lengths)
+    assert stats.token_depths == expected, f"token depths {stats.token_depths} for accept lengths {stats.accept_lengths}"
+    assert stats.steps == len(stats.accept_lengths), f"{stats.steps} steps, {len(stats.accept_lengths)} accept lengths"
+
+
+# ---------------------------------------------------------------- a model that writes its own position
+
+@pytest.mark.parametrize("tree", ["chain_4", "sparse"])
+def test_tokens_sit_at_their_positions_after_the_prompt(tree):
+    """Every tree node is verified at position S + depth. On tests/conftest.py's clock model the token
+    at position t is t mod V, so a node placed one slot off comes out as the wrong number, whatever
+    the tokens (a periodic model, which only looks at tokens, cannot show this)."""
+    model = clock_model()
+    V = model.base.config.vocab_size
+    for S in (1, 6, 13):
+        idx = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(S))
+        out, stats = medusa_generate(model, idx, 30, TREES[tree])
+        for i, token in enumerate(out[0, S:].tolist()):
+            if token != (S + i) % V:
+                off = (token - (S + i) + V // 2) % V - V // 2
+                step = sum(1 for d in stats.token_depths[:i + 1] if d == 0) - 1
+                raise AssertionError(
+                    f"prompt of {S} tokens: new token {i} (step {step}, depth {stats.token_depths[i]}) is {token}, "
+                    f"expected {(S + i) % V}: it was predicted from a node at prompt end + {i + off}, "
+                    f"{off:+d} slot(s) from its place (the node that predicts new token i sits at S + i - 1)")
+
+
+def test_perfect_heads_commit_depth_plus_one_tokens_every_step():
+    """With perfect heads every step commits depth + 1 tokens: tokens/step is exactly 5.0 on a depth-4
+    tree. Output that equals plain greedy is not enough: heads read at the wrong node cost steps."""
+    model = clock_model()
+    for tree in ("chain_4", "sparse", "grown_20"):
+        _, stats = medusa_generate(model, torch.tensor([[5, 9]]), 40, TREES[tree])
+        assert stats.tokens_per_step == 5.0, (
+            f"{tree}: {stats.tokens_per_step:.2f} tokens/step, expected exactly 5.0; accept lengths per step "
+            f"{stats.accept_lengths}: the next step's head logits must come from the last accepted node")
 
 
 # ---------------------------------------------------------------- typical acceptance, hand-made logits
@@ -78,21 +124,28 @@ def test_typical_threshold_is_min_of_epsilon_and_alpha_exp_minus_entropy():
     logits = logits_from_probs([[probs, probs]])  # one row: root, then one draft scored by logits[0, 0]
     for p_token, token in [(0.2, 2), (0.3, 1)]:
         accept = evaluate_posterior(logits, torch.tensor([[0, token]]), 1.0, 0.5, alpha)[1]
-        assert accept == int(p_token > thr)
+        assert accept == int(p_token > thr), (f"p = {p_token}, threshold min(0.5, {alpha} * exp(-H)) = {thr:.3f}: "
+                                              f"accept length {accept}, expected {int(p_token > thr)}")
     # Now epsilon is the smaller term: 0.25 < p = 0.3 accepts, 0.2 does not.
-    assert evaluate_posterior(logits, torch.tensor([[0, 1]]), 1.0, 0.25, 1.0)[1] == 1
-    assert evaluate_posterior(logits, torch.tensor([[0, 2]]), 1.0, 0.25, 1.0)[1] == 0
+    for token, p_token, expected in [(1, 0.3, 1), (2, 0.2, 0)]:
+        accept = evaluate_posterior(logits, torch.tensor([[0, token]]), 1.0, 0.25, 1.0)[1]
+        assert accept == expected, (f"p = {p_token}, threshold min(epsilon 0.25, 1.0 * exp(-H) = "
+                                    f"{math.exp(-H):.3f}): accept length {accept}, expected {expected}")
     # Low entropy: alpha * exp(-H) > epsilon, so epsilon decides.
     sharp = logits_from_probs([[[0.96, 0.03, 0.01], [0.96, 0.03, 0.01]]])
-    assert evaluate_posterior(sharp, torch.tensor([[0, 1]]), 1.0, 0.02, 0.9)[1] == 1
-    assert evaluate_posterior(sharp, torch.tensor([[0, 2]]), 1.0, 0.02, 0.9)[1] == 0
+    for token, p_token, expected in [(1, 0.03, 1), (2, 0.01, 0)]:
+        accept = evaluate_posterior(sharp, torch.tensor([[0, token]]), 1.0, 0.02, 0.9)[1]
+        assert accept == expected, (f"p = {p_token} on a sharp row, epsilon 0.02 < alpha * exp(-H): "
+                                    f"accept length {accept}, expected {expected}")
 
 
 def test_typical_comparison_is_strict():
     """p(candidate) exactly at the threshold is rejected."""
     logits = logits_from_probs([[[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]])
-    assert evaluate_posterior(logits, torch.tensor([[0, 1]]), 1.0, 0.25, 1.0)[1] == 0
-    assert evaluate_posterior(logits, torch.tensor([[0, 0]]), 1.0, 0.25, 1.0)[1] == 1
+    accept = evaluate_posterior(logits, torch.tensor([[0, 1]]), 1.0, 0.25, 1.0)[1]
+    assert accept == 0, f"p = 0.25 equal to the threshold 0.25 was accepted (accept length {accept}): use >, not >="
+    accept = evaluate_posterior(logits, torch.tensor([[0, 0]]), 1.0, 0.25, 1.0)[1]
+    assert accept == 1, f"p = 0.5 above the threshold 0.25: accept length {accept}, expected 1"
 
 
 def test_typical_ties_broken_by_log_likelihood():
@@ -100,10 +153,62 @@ def test_typical_ties_broken_by_log_likelihood():
     p = [0.4, 0.35, 0.25]
     logits = logits_from_probs([[p, p, p]] * 3)
     candidates = torch.tensor([[0, 2, 2], [0, 0, 1], [0, 1, 0]])  # all accept 2 (threshold 0.09)
-    best, accept = evaluate_posterior(logits, candidates, 1.0)
-    assert (best, accept) == (1, 2)  # rows 1 and 2 tie exactly (0.4 * 0.35): the first wins
+    got = evaluate_posterior(logits, candidates, 1.0)
+    assert got == (1, 2), (f"(best row, accept length) = {got}, expected (1, 2): rows 0-2 all accept 2, "
+                           f"rows 1 and 2 tie exactly (0.4 * 0.35) above row 0, and the first of a tie wins")
     candidates = torch.tensor([[0, 2, 2], [0, 1, 1], [0, 0, 1]])
-    assert evaluate_posterior(logits, candidates, 1.0) == (2, 2)
+    got = evaluate_posterior(logits, candidates, 1.0)
+    assert got == (2, 2), f"(best row, accept length) = {got}, expected (2, 2): row 2 has the largest 0.4 * 0.35"
+
+
+def at_temperature(rows, T):
+    """(P, L, V) logits whose softmax at temperature T is exactly the given probabilities."""
+    return torch.tensor(rows, dtype=torch.float).log() * T
+
+
+def typical_accepts(p, token, epsilon=0.09, alpha=0.3):
+    """The definition, in plain Python: p(token) > min(epsilon, alpha * exp(-H))."""
+    H = -sum(q * math.log(q) for q in p if q > 0)
+    return p[token] > min(epsilon, alpha * math.exp(-H))
+
+
+@pytest.mark.parametrize("T", [0.5, 3.0])
+def test_typical_acceptance_uses_the_temperature(T):
+    """Typical acceptance reads softmax(logits / T), not softmax(logits): at T = 0.5 a token that
+    temperature 1 would accept is rejected, and at T = 3 one that it would reject is accepted."""
+    p_at_T = {0.5: [0.6, 0.35, 0.05], 3.0: [0.45, 0.35, 0.2]}[T]
+    token = 2
+    expected = int(typical_accepts(p_at_T, token))
+    p_at_1 = F.softmax(torch.tensor(p_at_T).log() * T, -1).tolist()  # the same logits read at T = 1
+    assert typical_accepts(p_at_1, token) != expected, "the test's own case must tell T from T = 1 apart"
+    logits = at_temperature([[p_at_T, [1 / 3] * 3]], T)  # logits[0, 0] scores the draft; logits[0, 1] nothing
+    accept = evaluate_posterior(logits, torch.tensor([[0, token]]), T)[1]
+    assert accept == expected, (
+        f"T = {T}: p(token) = {p_at_T[token]} at T, {p_at_1[token]:.3f} at T = 1; accept length {accept}, "
+        f"expected {expected}: divide the logits by the temperature before the softmax")
+
+
+def test_typical_ties_compare_only_the_accepted_prefix():
+    """At T = 0.7, rows that accept equally many tokens are ranked by the sum of log p over their
+    accepted tokens only: what follows the first rejection (in the row, or past its length) does not count."""
+    T = 0.7
+    D = [0.40, 0.30, 0.25, 0.05]       # threshold about 0.088: tokens 0, 1, 2 pass, token 3 does not
+    assert [typical_accepts(D, v) for v in range(4)] == [True, True, True, False], "the test's own setup"
+    logits = at_temperature([[D] * 4] * 3, T)
+    cases = [
+        # Row 0 wins on its whole row (0.3 * 0.05 * 0.4 > 0.4 * 0.05 * 0.05); row 1 on the accepted prefix.
+        ([[0, 1, 3, 0], [0, 0, 3, 3], [0, 3, 0, 0]], None, (1, 1)),
+        # Row 1 wins if every passing token counts, also those after the rejection (0.3 < 0.4 * 0.4).
+        ([[0, 1, 3, 3], [0, 0, 3, 0], [0, 3, 0, 0]], None, (1, 1)),
+        # Row 0 is only 2 long: its slots 2 and 3 are padding, whatever they hold.
+        ([[0, 0, 0, 0], [0, 1, 3, 0], [0, 3, 0, 0]], [2, 4, 4], (0, 1)),
+    ]
+    for candidates, lengths, expected in cases:
+        lengths = None if lengths is None else torch.tensor(lengths)
+        got = evaluate_posterior(logits, torch.tensor(candidates), T, path_lengths=lengths)
+        assert got == expected, (
+            f"candidates {candidates}, path_lengths {lengths}, probabilities {D} at T = {T}: (best row, "
+            f"accept length) = {got}, expected {expected}: rank tied rows by the log p of their accepted tokens only")
 
 
 def test_typical_argmax_always_passes():
@@ -113,7 +218,9 @@ def test_typical_argmax_always_passes():
         logits = torch.randn(4, 3, 50) * scale
         candidates = torch.cat([torch.zeros(4, 1, dtype=torch.long), logits[:, :-1].argmax(-1)], dim=1)
         for eps, alpha in [(0.09, 0.3), (0.9, 0.99), (1.0, 0.5)]:
-            assert evaluate_posterior(logits, candidates, 1.0, eps, alpha)[1] == 2
+            accept = evaluate_posterior(logits, candidates, 1.0, eps, alpha)[1]
+            assert accept == 2, (f"logit scale {scale}, epsilon {eps}, alpha {alpha}: rows of argmax tokens "
+                                 f"accepted {accept} tokens, expected all 2")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -122,17 +229,29 @@ def test_padding_is_never_accepted(temperature):
     logits = torch.full((2, 3, 5), -10.0)
     logits[:, :, 0] = 10.0  # the model is sure the next token is 0 everywhere
     candidates = torch.tensor([[0, 0, 0], [0, 1, 0]])
-    assert evaluate_posterior(logits, candidates, temperature, path_lengths=torch.tensor([2, 3]))[1] == 1
-    assert evaluate_posterior(logits[:1], torch.tensor([[0, 0, -1]]), temperature)[1] == 1
+    accept = evaluate_posterior(logits, candidates, temperature, path_lengths=torch.tensor([2, 3]))[1]
+    assert accept == 1, (f"accept length {accept}, expected 1: row 0 has path_lengths 2, so its slot 2 is "
+                         f"padding however well it matches; row 1 stops at its token 1")
+    accept = evaluate_posterior(logits[:1], torch.tensor([[0, 0, -1]]), temperature)[1]
+    assert accept == 1, f"accept length {accept}, expected 1: candidate -1 is padding (no path_lengths given)"
 
 
 def test_greedy_picks_the_first_longest_row():
     """Greedy: accept length is the max over rows; best is the first row reaching it (row 0 if none)."""
     logits = torch.zeros(3, 3, 4)
     logits[:, :, 2] = 1.0
-    assert evaluate_posterior(logits, torch.tensor([[0, 1, 1], [0, 2, 1], [0, 2, 2]])) == (2, 2)
-    assert evaluate_posterior(logits, torch.tensor([[0, 1, 1], [0, 2, 2], [0, 2, 2]])) == (1, 2)
-    assert evaluate_posterior(logits[:2], torch.tensor([[0, 1, 1], [0, 3, 2]])) == (0, 0)
+    for candidates, expected, why in [([[0, 1, 1], [0, 2, 1], [0, 2, 2]], (2, 2), "only row 2 accepts 2"),
+                                      ([[0, 1, 1], [0, 2, 2], [0, 2, 2]], (1, 2), "rows 1 and 2 accept 2: the first"),
+                                      ([[0, 1, 1], [0, 3, 2]], (0, 0), "nothing is accepted: row 0")]:
+        got = evaluate_posterior(logits[:len(candidates)], torch.tensor(candidates))
+        assert got == expected, (f"candidates {candidates} (the argmax is 2 everywhere): (best row, accept length) "
+                                 f"= {got}, expected {expected}, {why}")
+    # logits[r, j] predicts token j + 1 of row r: here the argmax is 1, then 3, then 0.
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 1] = logits[0, 1, 3] = logits[0, 2, 0] = 1.0
+    got = evaluate_posterior(logits, torch.tensor([[0, 1, 3]]))
+    assert got == (0, 2), (f"candidates [[0, 1, 3]], argmax of logits[0, j] = 1, 3, 0 for j = 0, 1, 2: (best row, "
+                           f"accept length) = {got}, expected (0, 2): draft j + 1 is checked against logits[:, j]")
 
 
 @pytest.mark.parametrize("sampling", ["typical", "typical-fast"])
@@ -141,7 +260,8 @@ def test_typical_mode_runs_end_to_end(periodic_model, device, sampling):
     torch.manual_seed(0)
     out, stats = medusa_generate(periodic_model, torch.tensor([[3, 17]], device=device), 40, TREES["sparse"],
                                  temperature=0.7, sampling=sampling)
-    assert out.shape == (1, 42) and stats.tokens_per_step > 2.0
+    assert out.shape == (1, 42), f"output shape {tuple(out.shape)}, expected (1, 42)"
+    assert stats.tokens_per_step > 2.0, f"{stats.tokens_per_step:.2f} tokens/step on a confident model, expected > 2"
 
 
 def test_typical_fast_is_deterministic_and_typical_samples_the_root():
@@ -151,8 +271,62 @@ def test_typical_fast_is_deterministic_and_typical_samples_the_root():
     def run(seed, sampling):
         torch.manual_seed(seed)
         return medusa_generate(model, idx, 20, TREES["sparse"], temperature=1.0, sampling=sampling)[0]
-    assert all(torch.equal(run(s, "typical-fast"), run(0, "typical-fast")) for s in range(1, 4))
-    assert len({tuple(run(s, "typical")[0].tolist()) for s in range(4)}) > 1
+    first = run(0, "typical-fast")
+    for seed in range(1, 4):
+        assert_same_tokens(run(seed, "typical-fast"), first, model, prompt_length=3)
+    outputs = {tuple(run(s, "typical")[0].tolist()) for s in range(4)}
+    assert len(outputs) > 1, f"typical gave the same tokens for seeds 0-3, {outputs.pop()[3:]}: is the root sampled?"
+
+
+# ---------------------------------------------------------------- exact sampling: the tree walk
+
+WALK_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0)]  # nodes: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0)
+WALK_TOKENS = torch.tensor([7, 3, 5, 1, 2, 1])    # (1,0) and (0,0) carry the same token: head 2's rank 0
+
+
+def test_tree_walk_follows_the_drawn_tokens():
+    """At a low temperature each node's draw is certain: the walk goes root -> (1,) -> (1,0), since
+    node 0 draws 5, the token of (1,), and (1,) draws 1, the token of its child (1,0) (not of (0,0),
+    which carries 1 too but hangs under (0,)); (1,0) has no children, so its draw, 6, is the next root."""
+    b = build_tree_buffers(WALK_TREE)
+    assert b.children == [[1, 2], [3, 4], [5], [], [], []], f"build_tree_buffers gave children {b.children}"
+    draws = {0: 5, 1: 2, 2: 1, 3: 0, 4: 4, 5: 6}                   # node -> the token its logits favour
+    logits = torch.zeros(6, 8)
+    for node, token in draws.items():
+        logits[node, token] = 1.0                                # at T = 0.02: all other tokens e^-50
+    torch.manual_seed(0)
+    for _ in range(20):
+        walked, x = sample_tree_walk(logits, WALK_TOKENS, b, 0.02)
+        assert isinstance(walked, list) and torch.is_tensor(x) and x.dim() == 0, \
+            f"returned ({type(walked).__name__}, {type(x).__name__} {getattr(x, 'shape', '')}): expected (list of ints, 0-d tensor)"
+        assert (walked, int(x)) == ([0, 2, 5], 6), (
+            f"walked nodes {walked}, next root {int(x)}; expected [0, 2, 5] and 6: at each node draw from that "
+            f"node's own logits row, at temperature 0.02 (the favoured tokens per node are {draws})")
+
+
+def test_tree_walk_draws_at_the_temperature():
+    """At T = 0.5 the root moves to (1,) with probability 0.8^2 / (0.8^2 + 0.2^2) = 0.941 (0.8 at T = 1,
+    1 for an argmax). When the walk stops at a node, the next root is the token drawn there, which is
+    then never a child's token: drawing it again would be a second, different draw."""
+    b = build_tree_buffers(WALK_TREE)
+    T, n = 0.5, 600
+    logits = torch.full((6, 8), -1e9)
+    logits[0, 5], logits[0, 0] = math.log(0.8) * 1, math.log(0.2) * 1   # root: 5 (a child's token) or 0
+    logits[2, 6] = 0.0                                                 # (1,): always 6, not a child's token
+    torch.manual_seed(0)
+    moved = 0
+    for _ in range(n):
+        walked, x = sample_tree_walk(logits, WALK_TOKENS, b, T)
+        expected = [0, 2] if walked[-1] == 2 else [0]
+        assert walked == expected and int(x) == (6 if walked[-1] == 2 else 0), (
+            f"walked {walked}, next root {int(x)}: the root draws 5 (go to (1,), which draws 6) or 0 (stop, "
+            f"next root 0); a walk that stops at the root with next root {int(x)} drew twice there")
+        moved += walked[-1] == 2
+    q = 0.8 ** 2 / (0.8 ** 2 + 0.2 ** 2)
+    sd = math.sqrt(q * (1 - q) / n)
+    assert abs(moved / n - q) < 4 * sd, (
+        f"the walk left the root in {moved}/{n} = {moved / n:.3f} of draws, expected {q:.3f} +- {4 * sd:.3f} "
+        f"at T = {T} (0.8 would mean the temperature was ignored, 1.0 an argmax)")
 
 
 # ---------------------------------------------------------------- exact sampling: a statistical test
@@ -166,6 +340,7 @@ MARKOV = torch.tensor([[0.05, 0.70, 0.15, 0.10],  # next-token probabilities giv
                        [0.30, 0.30, 0.35, 0.05]])
 
 
+@trained_once
 def skewed_model():
     """A 4-token model trained on a Markov chain: far from uniform, and x2 depends strongly on x1."""
     torch.manual_seed(0)
@@ -185,57 +360,69 @@ def skewed_model():
     return model.eval()
 
 
-def true_joint(model, prompt, T):
-    """p(x1, x2 | prompt) at temperature T, from the model itself: (V, V)."""
-    p1 = F.softmax(model.base(prompt)[0, -1] / T, -1)
-    rows = [F.softmax(model.base(torch.cat([prompt, torch.tensor([[a]], device=prompt.device)], 1))[0, -1] / T, -1)
-            for a in range(V_SMALL)]
-    return (p1[:, None] * torch.stack(rows)).cpu()
+@torch.no_grad()
+def true_joint(model, prompt, T, n):
+    """p(x1, ..., xn | prompt) at temperature T, from the model itself: (V,) * n."""
+    joint = torch.ones(1, dtype=torch.double)
+    for k in range(n):
+        prefixes = torch.tensor(list(itertools.product(range(V_SMALL), repeat=k)),
+                                dtype=torch.long, device=prompt.device).view(V_SMALL**k, k)  # (V^k, k)
+        seqs = torch.cat([prompt.expand(len(prefixes), -1), prefixes], 1)              # (V^k, S+k)
+        p = F.softmax(model.base(seqs)[:, -1].double() / T, -1)                        # (V^k, V)
+        joint = (joint[:, None] * p.cpu()).flatten()
+    return joint.view((V_SMALL,) * n)
 
 
-def chi_square_p_value(counts, probs):
-    """Pearson's chi-square goodness of fit; cells expecting < 5 draws are pooled."""
+def chi_square(counts, probs):
+    """Pearson's chi-square goodness of fit; cells expecting < 5 draws are pooled.
+
+    Returns (p-value, the cell (an index into probs) contributing most, its observed and expected counts)."""
     n = counts.sum()
-    expected = probs.flatten() * n
+    expected = probs.flatten().double() * n
     observed = counts.flatten().double()
+    contribution = (observed - expected) ** 2 / expected
     small = expected < 5
+    worst = int(contribution.masked_fill(small, -1).argmax())
     if small.any():
         expected = torch.cat([expected[~small], expected[small].sum().view(1)])
         observed = torch.cat([observed[~small], observed[small].sum().view(1)])
     stat = ((observed - expected) ** 2 / expected).sum()
     df = len(expected) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+    cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
+    return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
 
 
 def test_exact_sampling_matches_the_models_joint_distribution(device):
-    """The first two tokens of exact Medusa sampling follow the model's own p(x1) p(x2 | x1).
+    """The first three tokens of exact Medusa sampling at T = 0.7 follow the model's own
+    p(x1) p(x2 | x1) p(x3 | x1, x2).
 
-    False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that draws x2 without
-    looking at x1 are both rejected by the same test at the same sample size."""
+    Three tokens with a depth-2 tree use everything: nodes past depth 1, and the next root drawn
+    where a walk stops. False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that
+    draws x3 without looking at x2 are both rejected by the same test at the same sample size."""
     torch.manual_seed(1)
-    model, T, n = skewed_model().to(device), 1.0, 3000
+    model, T, n = skewed_model().to(device), 0.7, 3000
     prompt = torch.tensor([[1, 2]], device=device)
-    with torch.no_grad():
-        joint = true_joint(model, prompt, T).double()
-    independent_joint = joint.sum(1, keepdim=True) * joint.sum(0)
-    assert 0.5 * (joint - 1 / V_SMALL**2).abs().sum() > 0.2    # total variation from uniform
-    assert 0.5 * (joint - independent_joint).abs().sum() > 0.1  # ... and from p(x1) p(x2)
-    tree = [(0,), (1,), (0, 0)]
-    counts, accepted = torch.zeros(V_SMALL, V_SMALL), 0
+    joint = true_joint(model, prompt, T, 3)                                        # (V, V, V)
+    assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"
+    tree = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    counts, accepted = torch.zeros(V_SMALL, V_SMALL, V_SMALL), 0
     for _ in range(n):
-        out, stats = medusa_generate(model, prompt, 2, tree, temperature=T, sampling="exact")
-        counts[out[0, 2], out[0, 3]] += 1
+        out, stats = medusa_generate(model, prompt, 3, tree, temperature=T, sampling="exact")
+        counts[tuple(out[0, 2:].tolist())] += 1
         accepted += stats.accept_lengths[0]
-    assert accepted > n / 10  # the walk really accepted drafted tokens, not only roots
-    assert chi_square_p_value(counts, joint) > 1e-3
+    assert accepted > n / 10, f"the walk accepted {accepted} drafted tokens in {n} first steps: expected > {n // 10}"
+    p, cell, observed, expected = chi_square(counts, joint)
+    assert p > 1e-3, (f"p = {p:.1e} < 1e-3: the three tokens do not follow the model at T = {T}; worst cell "
+                      f"(x1, x2, x3) = {cell}: {observed} draws, {expected:.1f} expected")
 
     g = torch.Generator().manual_seed(2)
-    uniform = torch.randint(0, V_SMALL**2, (n,), generator=g).bincount(minlength=V_SMALL**2).float()
-    assert chi_square_p_value(uniform, joint) < 1e-3
-    x1 = torch.multinomial(joint.sum(1).float(), n, replacement=True, generator=g)
-    x2 = torch.multinomial(joint.sum(0).float(), n, replacement=True, generator=g)  # ignores x1
-    independent = (x1 * V_SMALL + x2).bincount(minlength=V_SMALL**2).float()
-    assert chi_square_p_value(independent, joint) < 1e-3
+    uniform = torch.randint(0, V_SMALL**3, (n,), generator=g).bincount(minlength=V_SMALL**3).float()
+    assert chi_square(uniform, joint)[0] < 1e-3, "the test's own power check: a uniform sampler must fail it"
+    x12 = torch.multinomial(joint.sum(2).flatten().float(), n, replacement=True, generator=g)
+    x3 = torch.multinomial(joint.sum((0, 1)).float(), n, replacement=True, generator=g)    # ignores x1, x2
+    assert chi_square((x12 * V_SMALL + x3).bincount(minlength=V_SMALL**3).float(), joint)[0] < 1e-3, \
+        "the test's own power check: a sampler that draws x3 without looking at x1, x2 must fail it"
 
 
 def test_exact_sampling_is_lossless_by_construction_at_length_one():
@@ -244,7 +431,8 @@ def test_exact_sampling_is_lossless_by_construction_at_length_one():
     torch.manual_seed(5)
     a = medusa_generate(model, torch.tensor([[1]]), 1, [(0,)], temperature=0.9, sampling="exact")[0]
     torch.manual_seed(5)
-    assert torch.equal(a, generate(model, torch.tensor([[1]]), 1, temperature=0.9))
+    b = generate(model, torch.tensor([[1]]), 1, temperature=0.9)
+    assert torch.equal(a, b), f"same seed: exact sampling drew {a[0, 1].item()}, plain sampling {b[0, 1].item()}"
 
 
 # ---------------------------------------------------------------- bad input

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import random_medusa, tiny_config
+from conftest import periodic_batch, random_medusa, tiny_config
 from medusa_mini import GPT, HeadStack, KVCache, MedusaModel, generate, medusa_loss, medusa_step, prefill
 from tree import build_tree_buffers, dense_tree
 
@@ -19,10 +19,13 @@ def test_zero_init_heads_equal_base_exactly(cfg, T, device):
     model = MedusaModel(GPT(tiny_config(**cfg)).to(device), num_heads=5).eval()
     idx = torch.randint(0, model.base.config.vocab_size, (2, T), device=device)
     base_logits, head_logits = model(idx)
-    assert head_logits.shape == (5, 2, T, model.base.config.vocab_size)
+    assert head_logits.shape == (5, 2, T, model.base.config.vocab_size), f"head logits {tuple(head_logits.shape)}"
     for k in range(5):
-        assert torch.equal(head_logits[k], base_logits)
-    assert model.heads[0] is not model.heads[1]  # a comprehension, not [head] * n
+        diff = (head_logits[k] - base_logits).abs()
+        assert torch.equal(head_logits[k], base_logits), (
+            f"head {k + 1} differs from the base logits at init by up to {diff.max().item():.3g} (batch, position, "
+            f"token) = {tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))}: zero W1 and b1, copy W2")
+    assert model.heads[0] is not model.heads[1], "heads 1 and 2 are one module: build them with a comprehension"
 
 
 def test_medusa_loss_targets_token_t_plus_k_plus_1():
@@ -39,16 +42,39 @@ def test_medusa_loss_targets_token_t_plus_k_plus_1():
         return logits
 
     loss, per_head = medusa_loss(confident(1), targets)
-    assert per_head.shape == (K,) and per_head.max() < 1e-6
+    assert per_head.shape == (K,), f"per-head losses of shape {tuple(per_head.shape)}, expected ({K},)"
+    assert per_head.max() < 1e-6, (f"per-head losses {per_head.tolist()} when head k at position t is sure of "
+                                   f"token t+k+1 (targets[:, t + k]): expected ~0 for every head")
     # The total weighs head k by decay**k (paper eq. 1: 0.8^k).
     uniform = torch.zeros(K, 1, T, V)
     loss, per_head = medusa_loss(uniform, targets, decay=0.5)
-    assert torch.allclose(per_head, torch.full((K,), math.log(V)))
-    assert torch.isclose(loss, math.log(V) * torch.tensor(0.5 + 0.25 + 0.125))
+    assert torch.allclose(per_head, torch.full((K,), math.log(V))), \
+        f"uniform logits: per-head losses {per_head.tolist()}, expected log V = {math.log(V):.4f} each"
+    expected = math.log(V) * (0.5 + 0.25 + 0.125)
+    assert torch.isclose(loss, torch.tensor(expected)), \
+        f"total {loss.item():.4f}, expected {expected:.4f} = log V * (0.5 + 0.5^2 + 0.5^3): head k weighs decay**k"
     with pytest.raises(ValueError, match="longer than the number of heads"):
         medusa_loss(torch.zeros(K, 1, K, V), targets[:, :K])
-    assert medusa_loss(confident(0), targets)[1].min() > 10
-    assert medusa_loss(confident(2), targets)[1].min() > 10
+    for offset, says in [(0, "t+k"), (2, "t+k+2")]:
+        shifted = medusa_loss(confident(offset), targets)[1]
+        assert shifted.min() > 10, (f"heads sure of token {says} got per-head losses {shifted.tolist()}: "
+                                    f"the loss must score head k at position t against token t+k+1 only")
+
+
+def test_trained_heads_guess_t_plus_k_plus_1(periodic_model):
+    """Heads trained with your loss (tests/conftest.py, a few seconds on a periodic sequence) learn
+    what they are for: head k at position t puts its top guess on token t+k+1, nearly always."""
+    seq = periodic_batch(8, 24, torch.Generator().manual_seed(3))                 # (8, 25)
+    seq = seq.to(periodic_model.base.lm_head.weight.device)
+    with torch.no_grad():
+        _, head_logits = periodic_model(seq[:, :-1])                             # (K, 8, 24, V)
+    for k in range(1, head_logits.size(0) + 1):
+        guess, truth = head_logits[k - 1, :, :24 - k].argmax(-1), seq[:, k + 1:]  # (8, 24-k): tokens t+k+1
+        accuracy = (guess == truth).float().mean().item()
+        if accuracy < 0.95:
+            early = (guess == seq[:, k:24]).float().mean().item()
+            raise AssertionError(f"head {k} guesses token t+{k + 1} right {accuracy:.0%} of the time, expected > 95%; "
+                                 f"it guesses t+{k} {early:.0%} of the time: is head k trained on targets[:, t + k]?")
 
 
 def test_cached_forward_equals_uncached():
@@ -58,7 +84,8 @@ def test_cached_forward_equals_uncached():
     full = model(idx)[0]
     cache = KVCache(model.config)
     steps = [model(idx[:, :8], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(8, 20)]
-    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=0,
+                               msg=lambda m: f"cached logits (prefill of 8, then one token at a time) differ: {m}")
 
 
 CHAIN = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
@@ -82,7 +109,9 @@ def test_tree_forward_equals_per_path_forward(choices, prefix, device):
     for i, path in enumerate(b.node_paths):
         path_tokens = tokens[[index[path[:k]] for k in range(len(path) + 1)]].view(1, -1)
         plain = model(torch.cat([committed, path_tokens], dim=1))[0, -1]
-        torch.testing.assert_close(tree_logits[i], plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(tree_logits[i], plain, atol=1e-5, rtol=0, msg=lambda m: (
+            f"node {i}, path {path}, after {prefix} committed tokens: its logits differ from a plain forward of "
+            f"its own path (does the mask show it exactly its ancestors, at position ids = depth?): {m}"))
 
 
 def test_cache_keep_and_rollback():
@@ -94,11 +123,16 @@ def test_cache_keep_and_rollback():
         cache.append(0, entry, entry)
         cache.advance(1)
     cache.keep(2, torch.tensor([0, 2, 3]))  # keep entries 2, 4, 5 after the first two
-    assert cache.length == 5
-    assert cache.k[0, 0, 0, :5, 0].tolist() == [0, 1, 2, 4, 5]
+    assert cache.length == 5, f"keep(2, [0, 2, 3]) left length {cache.length}, expected 2 + 3 = 5"
+    for name, t in (("keys", cache.k), ("values", cache.v)):
+        slots = t[0, 0, 0, :5, 0].tolist()
+        assert slots == [0, 1, 2, 4, 5], (f"keep(2, [0, 2, 3]): {name} in slots 0-4 hold entries {slots}, expected "
+                                          f"[0, 1, 2, 4, 5] (indices count from `start`, the first slot kept)")
     cache.rollback(3)
+    assert cache.length == 3, f"rollback(3) left length {cache.length}"
     keys, _ = cache.append(0, torch.full((1, 1, 1, 4), 9.0), torch.zeros(1, 1, 1, 4))
-    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 9]
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 9], \
+        f"after rollback(3) an append returned keys {keys[0, 0, :, 0].tolist()}, expected [0, 1, 2, 9]"
     with pytest.raises(ValueError, match="full"):
         cache.append(0, torch.zeros(1, 1, 70, 4), torch.zeros(1, 1, 70, 4))
 
@@ -113,17 +147,23 @@ def test_cache_after_medusa_steps_equals_plain_decoding(periodic_model, temperat
     state = prefill(model, torch.tensor([[3, 17, 5]], device=device), extra=len(b.node_paths))
     if sampling == "exact":
         state.root = state.logits.argmax()
-    for _ in range(5):
+    for step in range(5):
         medusa_step(model, state, b, temperature, sampling)
         S = state.tokens.size(1)
         plain = KVCache(model.base.config, device=device)
         model.base(state.tokens[:, :3], cache=plain)
         for t in range(3, S):
             model.base(state.tokens[:, t:t + 1], cache=plain)
-        assert state.cache.length == plain.length == S
-        torch.testing.assert_close(state.cache.k[:, :, :, :S], plain.k[:, :, :, :S], atol=1e-5, rtol=0)
-        torch.testing.assert_close(state.cache.v[:, :, :, :S], plain.v[:, :, :, :S], atol=1e-5, rtol=0)
-        torch.testing.assert_close(state.logits, model.base(state.tokens)[0, -1], atol=1e-5, rtol=0)
+        assert state.cache.length == plain.length == S, \
+            f"step {step}: the cache holds {state.cache.length} entries for {S} committed tokens"
+        for name, ours, theirs in (("keys", state.cache.k, plain.k), ("values", state.cache.v, plain.v)):
+            bad = ((ours[:, :, :, :S] - theirs[:, :, :, :S]).abs() > 1e-5).nonzero()
+            assert len(bad) == 0, (
+                f"step {step}: cached {name} of committed token {int(bad[0, 3])} (prompt of 3, so new token "
+                f"{int(bad[0, 3]) - 3}) differ from those plain decoding builds, first in layer {int(bad[0, 0])}; "
+                f"slots differing: {sorted(set(bad[:, 3].tolist()))}")
+        torch.testing.assert_close(state.logits, model.base(state.tokens)[0, -1], atol=1e-5, rtol=0, msg=lambda m: (
+            f"step {step}: the next logits are not the base logits at the last committed token: {m}"))
 
 
 def test_positions_past_the_table_raise():

@@ -1,0 +1,79 @@
+"""The grader's own check (instructors): every bug planted from mutants.toml makes one of its
+assignment's graded tests fail, and every correct rewrite there passes them.
+
+One `python grade.py --mutants` process runs them all (about 15 CPU-seconds): each fault is planted
+in the reference code at run time by swapping one function's code, and only its listed tests run,
+stopping at the first failure."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import grade  # noqa: E402
+
+ASSIGNMENTS = grade.load_mapping()["assignment"]
+DATA = grade.load_mutants(ASSIGNMENTS)
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mutants") / "mutants.json"
+    proc = subprocess.run([sys.executable, "grade.py", "--mutants", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())["mutants"]
+
+
+def test_every_assignment_has_faults_and_a_correct_rewrite():
+    """Each assignment plants faults in each of its functions with a body to get wrong, and has at
+    least one correct rewrite (so a grader that fails everything shows up)."""
+    for n, a in ASSIGNMENTS.items():
+        planted = {m["function"] for m in DATA["mutant"] if m["assignment"] == n}
+        trivial = {"medusa_mini.py:KVCache.rollback"} - planted  # one line: a fault is planted all the same
+        assert set(a["stubs"]) - trivial <= planted, f"assignment {n}: no fault in {set(a['stubs']) - planted}"
+        assert any(e["assignment"] == n for e in DATA["equivalent"]), f"assignment {n}: no correct rewrite"
+
+
+@pytest.mark.parametrize("n", list(ASSIGNMENTS))
+def test_each_planted_fault_is_caught(table, n):
+    """Every fault of assignment n makes one of its graded tests fail; a fault whose snippet is no
+    longer in its function fails here too ("no longer applies"), never passes silently."""
+    proc, rows = table
+    mine = [r for r in rows if r["assignment"] == n and r["kind"] == "mutant"]
+    assert len(mine) == sum(m["assignment"] == n for m in DATA["mutant"]), proc.stdout + proc.stderr
+    missed = [f"{r['name']} ({r['function']}): {r['message'] or 'no graded test failed'}" for r in mine if not r["ok"]]
+    assert not missed, "\n".join(missed)
+
+
+@pytest.mark.parametrize("n", list(ASSIGNMENTS))
+def test_correct_rewrites_pass(table, n):
+    proc, rows = table
+    failing = [f"{r['name']}: {r['by']}: {r['message']}" for r in rows
+               if r["assignment"] == n and r["kind"] == "equivalent" and not r["ok"]]
+    assert not failing, "\n".join(failing)
+
+
+def test_a_fault_that_no_longer_fits_fails_loudly():
+    stale = dict(name="stale", function="medusa_mini.py:evaluate_posterior", replace="no such code", **{"with": ""})
+    with pytest.raises(grade.MutantError, match="'stale' no longer applies: snippet 'no such code' not found in evaluate_posterior"):
+        with grade.planted(stale):
+            pass
+    gone = dict(stale, function="medusa_mini.py:no_such_function")
+    with pytest.raises(grade.MutantError, match="no longer applies: no function 'no_such_function'"):
+        with grade.planted(gone):
+            pass
+
+
+def test_a_planted_fault_is_seen_through_every_import_and_then_removed():
+    from medusa_mini import evaluate_posterior
+    import torch
+    logits, candidates = torch.zeros(1, 2, 3), torch.tensor([[0, 0]])
+    fault = dict(name="x", function="medusa_mini.py:evaluate_posterior", replace="return lengths.index(accept), accept",
+                 **{"with": "return 7, 7"})
+    with grade.planted(fault):
+        assert evaluate_posterior(logits, candidates) == (7, 7)
+    assert evaluate_posterior(logits, candidates) == (0, 1)
