@@ -262,9 +262,11 @@ def print_table(mapping: dict):
     for number, a in mapping["assignment"].items():
         print(f"Assignment {number}: {a['title']}")
         print("  stubs:  " + ", ".join(k.replace(":", " ") for k in a["stubs"]))
-        print(f"  graded by {len(a['tests'])} tests" + (f" + {len(a['private'])} private" if a.get("private") else ""))
+        now = graded_in_sequence(mapping["assignment"], number)
+        print(f"  graded by {len(a['tests'])} tests" + (f" + {len(a['private'])} private" if a.get("private") else "")
+              + f"; handed out in sequence, {len(a['tests']) - len(now)} of them wait for later assignments (LATER)")
         for t in a["tests"]:
-            print(f"    {t}")
+            print(f"    {t}" + ("" if t in now else "  (LATER)"))
 
 
 class _Parser(argparse.ArgumentParser):
