@@ -201,6 +201,7 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
         "tokens_per_step": chosen_row["tokens_per_step"], "speedup": chosen_row["speedup"],
         "speedup_1_thread": chosen_row["speedup_same_threads"][threads[0]],
         "greedy_identical": chosen_row["greedy_identical"],
+        "greedy_distinct_4": table["plain greedy"]["distinct_4gram"],  # below ~0.5: greedy text loops
         "ops_ratio": ops["ops_ratio"], "host_reads_per_step": ops["host_reads_per_step"], "ops": ops,
         "device": str(device), "threads": threads, "preset": args.preset,
         "prompts": len(prompts), "new_tokens": n_new, "chosen_tree": [list(p) for p in chosen],
@@ -317,11 +318,16 @@ def write_report(report, out):
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
     md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
            for r in report["tree_size_sweep"]]
+    base = report.get("training", {}).get("base", {})
+    if "val_loss_halves" in base:  # every position trained: later positions, with more context, are no worse
+        md += ["", f"Base model held-out loss {base['val_loss']:.3f}; over the first and second half of the context's "
+               f"positions: {base['val_loss_halves'][0]:.3f} and {base['val_loss_halves'][1]:.3f}."]
     joint = report.get("training", {}).get("heads", {}).get("joint")
     if joint:  # Medusa-2 changed the backbone: show that the base model's quality was kept
         md += ["", "## Medusa-2 (--joint)", "", f"Base model validation loss: {joint['val_loss_before']:.3f} before, "
                f"{joint['val_loss_after']:.3f} after joint training (tokens/step above are with the joint model)."]
-    md += ["", "## Sample (chosen tree, greedy)", "", "```", report["sample"], "```", ""]
+    md += ["", "## Sample (chosen tree, greedy)", "", f"Distinct 4-grams in plain greedy text: "
+           f"{report['greedy_distinct_4']:.2f} (1.00: no 4-gram repeats).", "", "```", report["sample"], "```", ""]
     md += [f"![{p}]({p})" for p in pngs]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(md) + "\n")
@@ -353,6 +359,14 @@ def plot_report(report, out):
         ax.set(title="Training curves", xlabel="step", ylabel="training loss")
         ax.legend()
         save(fig, "training_curves.png")
+    h = training.get("base", {}).get("history", {})
+    if h.get("seconds"):  # the base model's loss against wall-clock time: what a recipe is judged on
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(h["seconds"], h["loss"], label="training loss")
+        ax.axhline(training["base"]["val_loss"], color="0.5", ls="--", label="final held-out loss")
+        ax.set(title=f"Base model: loss against time ({report['device']})", xlabel="seconds", ylabel="loss")
+        ax.legend()
+        save(fig, "loss_vs_time.png")
 
     acc = report["accuracies"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

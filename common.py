@@ -14,21 +14,25 @@ import torch
 import data
 from medusa_mini import GPT, GPTConfig, MedusaModel
 
-# Sizes and defaults per preset. cpu: the whole run fits in 15 minutes on 2 cores;
-# gpu: about 10 minutes on a laptop GPU; tiny: under 2 minutes, for tests and notebooks in CI.
+# Sizes and defaults per preset. seq_len is both the training window and the model's context
+# (block_size), so every position that generation uses has been trained; prompt + new tokens of
+# every stage must fit in it (train_heads.generation_lengths, tested).
+# cpu: the whole run in under 15 minutes on 2 cores (recipe measured: README).
+# gpu: about 8 passes over the 1.6M training tokens, with weight decay (see README); minutes on a laptop GPU.
+# tiny: under a minute, for tests and notebooks in CI.
 PRESETS = {
-    "tiny": dict(vocab_size=320, block_size=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
-                 batch_size=16, seq_len=64, base_steps=150, base_lr=3e-3, distill_prompts=64,
-                 distill_len=48, head_steps=150, head_lr=3e-3, joint_steps=30, eval_prompts=8,
-                 report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
-    "cpu": dict(vocab_size=2048, block_size=256, n_layer=4, n_head=4, n_embd=256, num_heads=5,
-                batch_size=32, seq_len=128, base_steps=500, base_lr=2e-3, distill_prompts=768,
-                distill_len=128, head_steps=250, head_lr=2e-3, joint_steps=300, eval_prompts=48,
-                report_prompts=10, report_tokens=128, max_tree=64, rank_depth=10),
-    "gpu": dict(vocab_size=2048, block_size=512, n_layer=6, n_head=6, n_embd=384, num_heads=5,
-                batch_size=64, seq_len=256, base_steps=3000, base_lr=1.5e-3, distill_prompts=4096,
-                distill_len=192, head_steps=1500, head_lr=2e-3, joint_steps=600, eval_prompts=128,
-                report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
+    "tiny": dict(vocab_size=320, seq_len=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
+                 batch_size=8, base_steps=150, base_lr=3e-3, weight_decay=0.0, distill_prompts=64,
+                 distill_len=48, distill_sampled=0.5, head_steps=150, head_lr=3e-3, joint_steps=30,
+                 eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
+    "cpu": dict(vocab_size=2048, seq_len=128, n_layer=4, n_head=4, n_embd=256, num_heads=5,
+                batch_size=32, base_steps=1000, base_lr=2e-3, weight_decay=0.0, distill_prompts=768,
+                distill_len=112, distill_sampled=0.5, head_steps=250, head_lr=2e-3, joint_steps=200,
+                eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10),
+    "gpu": dict(vocab_size=2048, seq_len=256, n_layer=6, n_head=6, n_embd=384, num_heads=5,
+                batch_size=64, base_steps=800, base_lr=1.5e-3, weight_decay=0.1, distill_prompts=4096,
+                distill_len=192, distill_sampled=0.5, head_steps=600, head_lr=2e-3, joint_steps=400,
+                eval_prompts=128, report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
 }
 
 

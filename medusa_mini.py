@@ -42,11 +42,14 @@ class KVCache:
     (as in gpt-fast), and keeping the accepted tree path is one indexed copy. During a forward
     each layer writes its T new entries after the `length` committed ones; `advance(T)` then
     counts them. `extra` slots beyond block_size hold the tree nodes being verified.
+    `capacity` (default block_size + extra) sizes a cache for a known length, e.g. prompt + new tokens.
     Medusa decoding uses batch 1; a batch of B rows (same length) serves plain sampling.
     """
 
-    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1):
-        shape = (config.n_layer, batch_size, config.n_kv_head, config.block_size + extra, config.head_dim)
+    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1,
+                 capacity: int | None = None):
+        capacity = capacity or config.block_size + extra
+        shape = (config.n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, n_kv, capacity, hs)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0  # committed entries
@@ -301,7 +304,8 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: i
     serves self-distillation; Medusa decoding compares against batch 1."""
     base = _check_request(model, idx, max_new_tokens, temperature)
     B, S = idx.shape
-    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=B)
+    cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=B,
+                    capacity=S + max_new_tokens)  # prompt + new tokens, not block_size
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, S+n): filled in place
     logits = base(idx, cache=cache)[:, -1]                      # prefill: (B, S, V) -> (B, V)
     for t in range(S, S + max_new_tokens):

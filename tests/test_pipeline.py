@@ -11,7 +11,7 @@ import torch
 import common
 import train_heads
 from conftest import PERIOD
-from medusa_mini import GPT, GPTConfig
+from medusa_mini import GPT, GPTConfig, KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,3 +127,57 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
     train_heads.main(args + ["--resume"])
     ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
     assert ckpt["done"] is True and ckpt["history"]["step"][-1] == 59
+
+
+@pytest.mark.parametrize("preset", common.PRESETS)
+def test_presets_generate_only_at_trained_positions(preset):
+    """The context is the training window, and no stage generates past it (distillation, head
+    accuracies, report; the notebooks size their lengths from the context too)."""
+    args = train_heads.parse_args(["--preset", preset, "--device", "cpu"])
+    assert "block_size" not in common.PRESETS[preset]  # block_size = seq_len, set in one place
+    for stage, length in train_heads.generation_lengths(args).items():
+        assert length <= args.seq_len, (preset, stage, length)
+    with pytest.raises(SystemExit):  # a request past the trained positions is refused up front
+        train_heads.parse_args(["--preset", preset, "--device", "cpu", "--report-tokens", str(args.seq_len)])
+
+
+def test_later_positions_are_no_worse(tiny_run):
+    """Every position is trained: on held-out windows, the loss over the second half of the
+    positions does not exceed the first half's (it has more context)."""
+    out, _ = tiny_run
+    first, second = torch.load(out / "base.pt", weights_only=True)["metrics"]["val_loss_halves"]
+    assert second <= first
+
+
+def test_training_dtype_follows_the_device(monkeypatch):
+    """bf16 autocast only where the hardware has bf16 (a CUDA GPU by is_bf16_supported(including_emulation=False),
+    a CPU with bf16 instructions); fp16 (with a GradScaler) on other CUDA GPUs; fp32 on other CPUs and MPS."""
+    for native, cuda_dtype, cpu_dtype in ((True, torch.bfloat16, torch.bfloat16), (False, torch.float16, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        monkeypatch.setattr(train_heads, "cpu_has_native_bf16", lambda n=native: n)
+        assert train_heads.training_dtype(torch.device("cuda")) == cuda_dtype
+        assert train_heads.training_dtype(torch.device("cpu")) == cpu_dtype
+        assert train_heads.training_dtype(torch.device("mps")) == torch.float32
+
+
+def test_gpu_preset_fits_a_6gb_card(monkeypatch):
+    """With the free memory of a 6 GB card (a CPU stand-in for torch.cuda.mem_get_info), the
+    distillation batch is sized to fit, and every stage's estimated peak stays under 6 GB."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(5.5 * gib), 6 * gib))
+    args = train_heads.parse_args(["--preset", "gpu", "--device", "cuda"])
+    config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd)
+    rows = train_heads.generation_batch_size(config, train_heads.DISTILL_PROMPT + args.distill_len, args.device)
+    assert 1 <= rows <= 1024
+    memory = train_heads.estimate_memory(config, args, torch.bfloat16)
+    assert all(b < 5.5 * gib for b in memory.values()), {k: b / gib for k, b in memory.items()}
+
+
+def test_generation_estimate_covers_the_kv_cache():
+    """The memory estimate for batched generation is at least the KV cache generate() allocates
+    (prompt + new tokens, not the whole context)."""
+    config = GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    cache = KVCache(config, batch_size=3, capacity=24)
+    assert cache.k.size(3) == 24
+    assert train_heads.estimate_generation_bytes(config, 3, 24) >= 2 * cache.k.numel() * cache.k.element_size()
