@@ -208,7 +208,7 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
 
 
 DISTILL_PROMPT = 16  # tokens of training text each self-distilled continuation starts from
-CPU_MEMORY_BUDGET = 2 * 2**30  # bytes batched generation may use where free memory cannot be read (CPU, MPS)
+CPU_MEMORY_BUDGET = 2**30  # bytes batched generation may use where free memory cannot be read (CPU, MPS)
 
 
 def generation_batch_size(config: GPTConfig, length, device):
@@ -455,11 +455,11 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
 
 def measure_steps(config: GPTConfig, args, device):
     """Seconds of one base-model training step with this run's batch and of one batch-1 decoding
-    step, on a throwaway model (each the last of a few: the first pays for warm-up)."""
+    step, on a throwaway model (each the last of a few: the first ones pay for warm-up)."""
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     x = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=device)
-    for _ in range(2):
+    for _ in range(3):
         t0 = time.time()
         with autocast(device):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
