@@ -27,7 +27,7 @@ PRESETS = {
                  eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
     "cpu": dict(vocab_size=2048, seq_len=128, n_layer=4, n_head=4, n_embd=256, num_heads=5,
                 batch_size=32, base_steps=1000, base_lr=2e-3, weight_decay=0.0, distill_prompts=768,
-                distill_len=112, distill_sampled=0.5, head_steps=250, head_lr=2e-3, joint_steps=200,
+                distill_len=112, distill_sampled=0.5, head_steps=250, head_lr=2e-3, joint_steps=120,
                 eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10),
     "gpu": dict(vocab_size=2048, seq_len=256, n_layer=6, n_head=6, n_embd=384, num_heads=5,
                 batch_size=64, base_steps=800, base_lr=1.5e-3, weight_decay=0.1, distill_prompts=4096,
