@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "[0-9]*.ipynb")))
 
 
-def test_the_course_has_six_numbered_notebooks():
-    """notebooks/01_... to 06_...: the reading order in notebooks/README.md."""
-    assert [os.path.basename(p)[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06"]
+def test_the_course_has_seven_numbered_notebooks():
+    """notebooks/01_... to 07_...: the reading order in notebooks/README.md."""
+    assert [os.path.basename(p)[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
