@@ -199,19 +199,25 @@ def _label(path: Path) -> str:
     return "root" if path == () else ",".join(map(str, path))
 
 
-def plot_tree_mask(buffers: TreeBuffers, ax=None):
-    """Heatmap of the tree attention mask: row = query node, column = key node, dark = may attend."""
+def plot_tree_mask(buffers: TreeBuffers, ax=None, committed: int = 0):
+    """Heatmap of the tree attention mask: row = query node, column = key, dark = may attend.
+
+    committed = S > 0 also draws the S committed tokens' columns (the KV cache), which every node sees:
+    the full (N, S + N) mask of the verification forward."""
     import matplotlib.pyplot as plt
+    N = len(buffers.node_paths)
     if ax is None:
-        N = len(buffers.node_paths)
-        _, ax = plt.subplots(figsize=(1.5 + 0.35 * N, 1.2 + 0.35 * N))
+        _, ax = plt.subplots(figsize=(1.5 + 0.35 * (committed + N), 1.2 + 0.35 * N))
     labels = [_label(p) for p in buffers.node_paths]
-    ax.imshow(buffers.attn_mask.cpu().numpy(), cmap="Blues", vmin=0, vmax=1.3)
-    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=8)
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
-    ax.set_xlabel("key node (what is attended to)")
+    mask = torch.cat([torch.ones(N, committed, dtype=torch.bool), buffers.attn_mask.cpu()], dim=1)  # (N, S+N)
+    ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.3)
+    ax.set_xticks(range(committed + N), [f"prefix {s}" for s in range(committed)] + labels, rotation=90, fontsize=8)
+    ax.set_yticks(range(N), labels, fontsize=8)
+    if committed:
+        ax.axvline(committed - 0.5, color="crimson", lw=1.5)
+    ax.set_xlabel("key (what is attended to)" + (": committed tokens, then tree nodes" if committed else ""))
     ax.set_ylabel("query node")
-    ax.set_title(f"Tree attention mask ({len(labels)} nodes)")
+    ax.set_title(f"Tree attention mask ({N} nodes" + (f" after {committed} committed tokens)" if committed else ")"))
     return ax
 
 
