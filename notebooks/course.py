@@ -15,6 +15,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
@@ -51,3 +52,10 @@ def token_printer(enc):
     def tok(t):
         return enc.decode([int(t)]).replace("\n", "⏎").replace(" ", "·")
     return tok
+
+
+def frequency_baseline(train_ids, targets, k=1):
+    """Top-k accuracy of always guessing the k most frequent training tokens: the bar every head
+    accuracy should be read against. targets: a tensor of token ids."""
+    common = torch.from_numpy(np.bincount(train_ids).argsort()[::-1][:k].copy()).to(targets.device)  # (k,)
+    return float((targets[..., None] == common).any(-1).float().mean())
