@@ -138,19 +138,21 @@ class Llama(nn.Module):
         """Last hidden states h (B, T, C), after the final RMSNorm: the contract of GPT.hidden.
 
         idx (B, T) new tokens after the cache's S entries; position_ids (T,) default S, S+1, ...;
-        attn_mask (T, T) bool among the new tokens (default causal); every new token sees all S cached ones.
+        attn_mask (T, T) among the new tokens, bool or additive (default causal); every new token sees all S cached ones.
         RoPE needs no position table, so only the cache's capacity bounds the positions."""
         B, T = idx.shape
         S = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(S, S + T, device=idx.device)
-        mask = None
+        x = self.embed(idx)                                                  # (B, T, C)
+        mask = None  # as in GPT.hidden: additive (0 or -inf), the S cached tokens visible to all
         if attn_mask is not None or (cache is not None and T > 1):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-            mask = torch.cat([torch.ones(T, S, dtype=torch.bool, device=idx.device), attn_mask], dim=1)  # (T, S+T)
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros(T, T, device=idx.device).masked_fill(~attn_mask, float("-inf"))
+            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)          # (T, T) -> (T, S+T)
         cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base)  # 2 x (T, hs/2)
-        x = self.embed(idx)                                                  # (B, T, C)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache, layer)
         if cache is not None:
