@@ -91,10 +91,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(layer, k, v)                                 # (B, nkv, S+T, hs)
+        # Query head i reads KV head i // group. Rather than copy each KV head `group` times, its
+        # `group` query heads become group * T query rows of that one KV head (the mask repeated).
         group = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nkv, ., hs) -> (B, nh, ., hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           is_causal=mask is None and cache is None)  # (B, nh, T, hs)
+        if mask is None and cache is None:  # causal: explicit, since the rows are no longer 0..T-1
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if mask is not None:
+            mask = mask.repeat(group, 1)                                     # (T, S+T) -> (group*T, S+T)
+        q = q.reshape(B, self.n_kv_head, group * T, self.hs)                 # (B, nh, T, hs) -> (B, nkv, group*T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)          # (B, nkv, group*T, hs)
+        y = y.view(B, self.n_head, T, self.hs)                               # (B, nkv, group*T, hs) -> (B, nh, T, hs)
         return self.o(y.transpose(1, 2).reshape(B, T, C))                    # (B, nh, T, hs) -> (B, T, C)
 
 

@@ -167,3 +167,30 @@ def test_greedy_medusa_equals_plain_greedy(smol):
     fast, stats = medusa_generate(medusa, idx, 20, dense_tree([2, 2, 1]))
     assert torch.equal(fast, plain)
     assert len(stats.token_depths) == 20
+
+
+def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
+    """distill() keeps the hidden states generate() computed: h[i, j] is the state whose next token is
+    answer token j, equal to a fresh forward over prompt + answer; equal-length prompts share a batch."""
+    import smollm_heads
+    model, enc, _ = smol
+    prompts = ["What is the moon?", "What is a bee?", "Explain gravity to a ten-year-old."]
+    h, y = smollm_heads.distill(model, enc, prompts, n_new=6)
+    assert h.shape == (3, 6, 576) and y.shape == (3, 6)
+    for i, prompt in enumerate(prompts):
+        ids = smollm.chat_tokens(enc, prompt)
+        answer = [t for t in y[i].tolist() if t >= 0]
+        with torch.no_grad():
+            fresh = model.hidden(torch.tensor([ids + answer]))[0, len(ids) - 1:len(ids) - 1 + len(answer)]
+        torch.testing.assert_close(h[i, :len(answer)], fresh, atol=1e-4, rtol=0)
+        assert answer == generate(model, torch.tensor([ids]), 6)[0, len(ids):len(ids) + len(answer)].tolist()
+
+
+def test_passage_prompts_have_the_asked_length(smol):
+    """Passage prompts are cut to one token length, so that distillation batches them together."""
+    import smollm_heads
+    _, enc, _ = smol
+    text = data.load_plays()["macbeth"][:3000]
+    for task in smollm_heads.TASKS:
+        prompt = smollm_heads.passage_prompt(enc, task, text, 80)
+        assert prompt is None or len(smollm.chat_tokens(enc, prompt)) == 80
