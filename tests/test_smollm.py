@@ -170,20 +170,22 @@ def test_greedy_medusa_equals_plain_greedy(smol):
 
 
 def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
-    """distill() keeps the hidden states generate() computed: h[i, j] is the state whose next token is
-    answer token j, equal to a fresh forward over prompt + answer; equal-length prompts share a batch."""
+    """distill() keeps the hidden states generate() computed: h[i, t] is the state at position t of
+    prompt + answer, equal to a fresh forward over it, and y[i, t] the greedy token at t+1, cut after
+    <|im_end|>; equal-length prompts share a batch."""
     import smollm_heads
     model, enc, _ = smol
     prompts = ["What is the moon?", "What is a bee?", "Explain gravity to a ten-year-old."]
-    h, y = smollm_heads.distill(model, enc, prompts, n_new=6)
-    assert h.shape == (3, 6, 576) and y.shape == (3, 6)
+    h, y, start = smollm_heads.distill(model, enc, prompts, n_new=6)
     for i, prompt in enumerate(prompts):
         ids = smollm.chat_tokens(enc, prompt)
-        answer = [t for t in y[i].tolist() if t >= 0]
+        assert start[i] == len(ids) - 1
+        seq = generate(model, torch.tensor([ids]), 6)[0]
+        n = int((y[i] >= 0).sum())
+        assert y[i, :n].tolist() == seq[1:n + 1].tolist() and n == len(ids) + 5
         with torch.no_grad():
-            fresh = model.hidden(torch.tensor([ids + answer]))[0, len(ids) - 1:len(ids) - 1 + len(answer)]
-        torch.testing.assert_close(h[i, :len(answer)], fresh, atol=1e-4, rtol=0)
-        assert answer == generate(model, torch.tensor([ids]), 6)[0, len(ids):len(ids) + len(answer)].tolist()
+            fresh = model.hidden(seq[None, :n])[0]                          # (n, C)
+        torch.testing.assert_close(h[i, :n], fresh, atol=1e-4, rtol=0)
 
 
 def test_passage_prompts_have_the_asked_length(smol):
