@@ -307,7 +307,7 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: i
     cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=B,
                     capacity=S + max_new_tokens)  # prompt + new tokens, not block_size
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, S+n): filled in place
-    logits = base(idx, cache=cache)[:, -1]                      # prefill: (B, S, V) -> (B, V)
+    logits = base.lm_head(base.hidden(idx, cache=cache)[:, -1])  # prefill, logits at the last position: (B, V)
     for t in range(S, S + max_new_tokens):
         out[:, t] = sample_token(logits, temperature, top_k)    # (B,)
         if t + 1 < S + max_new_tokens:

