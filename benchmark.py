@@ -256,24 +256,27 @@ class OpCounter(TorchDispatchMode):
 def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
     """Kernel-launching ops per plain token and per Medusa step, and host reads per step.
 
-    Plain: the difference between generating 2n and n tokens, per token. Medusa: a whole generation
+    Plain: the difference between generating 2m and m tokens (m = n/2), per token. Medusa: a whole generation
     minus its prefill, per step. ops_ratio = Medusa ops per step / plain ops per token; on a GPU,
     where a small model's step costs about one launch per op, tokens/step / ops_ratio projects the
     speedup (a projection, not a measurement)."""
+    block = getattr(model, "base", model).config.block_size
+    n_new = min(n_new, block - prompt.size(1))          # everything within the context
+    n_plain = n_new // 2                                 # plain: generate 2 * n_plain and n_plain tokens
     medusa_generate(model, prompt, 4, choices, **medusa_kwargs)  # build the tree buffers first
     counts = []
-    for fn in (lambda: generate(model, prompt, n_new), lambda: generate(model, prompt, 2 * n_new),
+    for fn in (lambda: generate(model, prompt, n_plain), lambda: generate(model, prompt, 2 * n_plain),
                lambda: prefill(model, prompt, extra=len(choices) + 1),
                lambda: medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)):
         with OpCounter() as counter:
             result = fn()
         counts.append((counter, result))
     (short, _), (long, _), (pre, _), (medusa, (_, stats)) = counts
-    plain = (long.total - short.total) / n_new
+    plain = (long.total - short.total) / n_plain
     per_step = (medusa.total - pre.total) / stats.steps
     return {"plain_ops_per_token": plain, "medusa_ops_per_step": per_step, "ops_ratio": per_step / plain,
             "host_reads_per_step": (medusa.host_reads - pre.host_reads) / stats.steps,
-            "plain_host_reads_per_token": (long.host_reads - short.host_reads) / n_new,
+            "plain_host_reads_per_token": (long.host_reads - short.host_reads) / n_plain,
             "tokens_per_step": stats.tokens_per_step,
             "projected_speedup": stats.tokens_per_step / (per_step / plain),
             "medusa_ops": {k: (v - pre.ops[k]) / stats.steps for k, v in medusa.ops.most_common()}}
