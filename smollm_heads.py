@@ -135,13 +135,12 @@ def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=32):
 
 # ---------------------------------------------------------------------------------------- 3. heads
 
-def train_heads(model: MedusaModel, h, y, steps=200, lr=3e-3, batch=4, seed=0):
+def train_heads(model: MedusaModel, h, y, train_loop, steps=200, lr=3e-3, batch=4, seed=0):
     """Medusa-1 on stored hidden states: loss sum_k 0.8^k CE(head k at t, token t+k+1).
 
     The softmax runs over the V' tokens the texts use (2178 of 49152 here), a sampled softmax that
     makes the projection V/V' times cheaper. Decoding still ranks the full vocabulary, and tokens
     outside V' get no gradient: measured held-out head-1 top-1 was 0.17 over all tokens, 0.23 over V'."""
-    from train_heads import train_loop  # the project's AdamW loop (warm-up, cosine), imported late: no cycle
     vocab = y[y >= 0].unique()                                                # (V',)
     index = torch.full((model.base.config.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
@@ -224,8 +223,10 @@ def load_medusa_smollm2(path, block_size=BLOCK_SIZE):
     return model.eval(), ckpt
 
 
-def run(out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, report_tokens=64):
-    """Every stage; writes out/heads.pt (the heads only: the base comes from the wheel) and report.json."""
+def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, report_tokens=64):
+    """Every stage; writes out/heads.pt (the heads only: the base comes from the wheel) and report.json.
+    train_loop: train_heads.train_loop, the project's AdamW loop, passed in so that this module does
+    not import the command that imports it."""
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     torch.manual_seed(seed)
@@ -252,7 +253,7 @@ def run(out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, re
 
     t0 = time.time()
     with torch.enable_grad():
-        history, vocab = train_heads(model, h, y, steps=steps, seed=seed)
+        history, vocab = train_heads(model, h, y, train_loop, steps=steps, seed=seed)
     accuracies = head_accuracies(model, val_h, val_y, val_start)
     print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {vocab} tokens the answers use); "
           f"held-out top-1 " + " ".join(f"{a[0]:.2f}" for a in accuracies))

@@ -551,7 +551,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.base == "smollm2":
         import smollm_heads
-        return smollm_heads.run(os.path.join(args.out, "smollm2"), args.threads, args.seed)
+        return smollm_heads.run(train_loop, os.path.join(args.out, "smollm2"), args.threads, args.seed)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     if args.threads:
