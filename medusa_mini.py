@@ -74,6 +74,7 @@ class KVCache:
         (so 0 is the entry in slot `start`). Every layer, keys and values alike. Afterwards
         length == start + len(indices); slots from there on are free to be written over."""
         n = len(indices)
+        # (n_layer, B, n_kv, n, hs): entries start + indices, gathered, into slots start .. start+n-1
         self.k[:, :, :, start:start + n] = self.k[:, :, :, start:][:, :, :, indices]
         self.v[:, :, :, start:start + n] = self.v[:, :, :, start:][:, :, :, indices]
         self.length = start + len(indices)
@@ -406,7 +407,7 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
         logp_draft = logp.gather(-1, index).squeeze(-1)                       # (P, L-1)
         ok = ok & (drafts >= 0)
     if path_lengths is not None:  # rows may end before their padding does
-        ok = ok & (torch.arange(1, L, device=ok.device) < path_lengths[:, None])
+        ok = ok & (torch.arange(1, L, device=ok.device) < path_lengths[:, None])  # (P, L-1): slot j+1 is real
     # A row's accept length is the position of its first rejection.
     ok = F.pad(ok, (0, 1), value=False)                                       # (P, L-1) -> (P, L): one always comes
     lengths = ok.float().argmin(1)                                            # (P,): argmin gives the first False
