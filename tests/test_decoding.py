@@ -54,9 +54,9 @@ def test_greedy_medusa_equals_plain_greedy_on_a_random_model(seed, device):
     assert stats.steps >= 10, f"30 tokens in {stats.steps} steps: random heads should rarely be accepted"
 
 
-def test_exactly_max_new_tokens_up_to_the_end_of_the_context(periodic_model):
+def test_exactly_max_new_tokens_up_to_the_end_of_the_context(periodic_model, device):
     """The tree is cut near the end: exactly max_new_tokens, the last one at position block_size - 1."""
-    idx = torch.tensor([PERIOD[:4]])
+    idx = torch.tensor([PERIOD[:4]], device=device)
     block = periodic_model.base.config.block_size
     for n in (1, 2, 3, block - 4):
         out, stats = medusa_generate(periodic_model, idx, n, TREES["chain_4"])
@@ -67,9 +67,9 @@ def test_exactly_max_new_tokens_up_to_the_end_of_the_context(periodic_model):
     assert max(stats.token_depths) == 4 and stats.token_depths[0] == 0, f"token depths {stats.token_depths}"
 
 
-def test_token_depths_name_the_proposing_head(periodic_model):
+def test_token_depths_name_the_proposing_head(periodic_model, device):
     """Each step's committed tokens come from depths 0, 1, ..., accept_length."""
-    _, stats = medusa_generate(periodic_model, torch.tensor([[3]]), 30, TREES["chain_4"])
+    _, stats = medusa_generate(periodic_model, torch.tensor([[3]], device=device), 30, TREES["chain_4"])
     expected = [d for a in stats.accept_lengths for d in range(a + 1)]
     assert stats.token_depths == expected, f"token depths {stats.token_depths} for accept lengths {stats.accept_lengths}"
     assert stats.steps == len(stats.accept_lengths), f"{stats.steps} steps, {len(stats.accept_lengths)} accept lengths"
