@@ -263,7 +263,7 @@ def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
     block = getattr(model, "base", model).config.block_size
     n_new = min(n_new, block - prompt.size(1))          # everything within the context
     n_plain = n_new // 2                                 # plain: generate 2 * n_plain and n_plain tokens
-    medusa_generate(model, prompt, 4, choices, **medusa_kwargs)  # build the tree buffers first
+    medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)  # build the tree buffers and their tables first
     counts = []
     for fn in (lambda: generate(model, prompt, n_plain), lambda: generate(model, prompt, 2 * n_plain),
                lambda: prefill(model, prompt, extra=len(choices) + 1),

@@ -49,6 +49,23 @@ def pick_device(name=None) -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), from the Linux flags."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def native_bf16(device) -> bool:
+    """Whether bfloat16 products are fast here: a CUDA GPU with bf16 tensor cores, or a CPU with bf16 instructions."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
 def sync(device):
     """Wait for the GPU's queued work, so a timer reads the work and not only its launch."""
     device = torch.device(device)

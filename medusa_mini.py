@@ -49,9 +49,9 @@ class KVCache:
     def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1,
                  capacity: int | None = None):
         capacity = capacity or config.block_size + extra
-        shape = (config.n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, B, n_kv, capacity, hs)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (2, config.n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # keys and values in one tensor, so that
+        self.k, self.v = self.kv[0], self.kv[1]                   # keep() moves both at once; views (n_layer, B, n_kv, capacity, hs)
         self.length = 0  # committed entries
 
     def append(self, layer: int, k, v):
@@ -74,9 +74,9 @@ class KVCache:
         (so 0 is the entry in slot `start`). Every layer, keys and values alike. Afterwards
         length == start + len(indices); slots from there on are free to be written over."""
         n = len(indices)
-        # (n_layer, B, n_kv, n, hs): entries start + indices, gathered, into slots start .. start+n-1
-        self.k[:, :, :, start:start + n] = self.k[:, :, :, start:][:, :, :, indices]
-        self.v[:, :, :, start:start + n] = self.v[:, :, :, start:][:, :, :, indices]
+        # Keys and values of every layer, (2, n_layer, B, n_kv, n, hs): entries start + indices,
+        # gathered, into slots start .. start+n-1
+        self.kv[..., start:start + n, :] = self.kv[..., start:, :][..., indices, :]
         self.length = start + len(indices)
 
     def rollback(self, length: int):
@@ -148,7 +148,8 @@ class GPT(nn.Module):
         position_ids (T,): default S, S+1, ... A tree passes depth + S; the caller keeps those
         below block_size (checking them here would read them back from the device every step).
         attn_mask (T, T) among the new tokens, bool (True = may attend) or additive (0 or -inf);
-        default causal; a tree passes its own. Every new token also sees all S committed tokens."""
+        default causal; a tree passes its own. Every new token also sees all S committed tokens:
+        a (T, T) mask is widened to (T, S+T) with them visible, or it may come that wide already."""
         B, T = idx.shape
         S = cache.length if cache is not None else 0
         if position_ids is None:
@@ -161,8 +162,10 @@ class GPT(nn.Module):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
             if attn_mask.dtype == torch.bool:  # additive (0 or -inf): attention would convert it in every layer
-                attn_mask = torch.zeros(T, T, device=x.device).masked_fill(~attn_mask, float("-inf"))
-            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)      # (T, T) -> (T, S+T): the cache is visible
+                attn_mask = torch.zeros(attn_mask.shape, device=x.device).masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.size(-1) == T:
+                attn_mask = F.pad(attn_mask, (S, 0), value=0.0)        # (T, T) -> (T, S+T): the cache is visible
+            mask = attn_mask.to(x.dtype)                               # (T, S+T)
         for layer, block in enumerate(self.h):
             x = block(x, mask, cache, layer)
         if cache is not None:
@@ -215,6 +218,9 @@ class MedusaModel(nn.Module):
         self.base = base
         self.share_lm_head = share_lm_head
         self.heads = nn.ModuleList([MedusaHead(base, share_lm_head) for _ in range(num_heads)])
+        # Decoding may draft in a cheaper dtype (e.g. bfloat16; HeadStack): drafts are only proposals,
+        # and verification by the base keeps the output exact whatever they are. None: the base's dtype.
+        self.draft_dtype = None
 
     def head_logits(self, h, num_heads: int | None = None):
         """Logits of the first num_heads heads (default all): (..., C) -> (K, ..., V)."""
@@ -231,22 +237,24 @@ class HeadStack:
 
     A decoding step evaluates the heads at one hidden state; on a GPU what that costs is mostly one
     kernel launch per op. Stacking the heads' weights once per generation turns K small products
-    into one batched product (tested equal to head_logits). Built from the model's current weights:
-    build a new one after training."""
+    into one batched product (tested equal to head_logits). The weights are taken in
+    model.draft_dtype when it is set: a bfloat16 copy reads half the bytes of an fp32 projection.
+    Built from the model's current weights: build a new one after training."""
 
     def __init__(self, model: MedusaModel):
-        heads = model.heads
-        self.w1 = torch.stack([head.residual.weight for head in heads])           # (K, C, C)
-        self.b1 = torch.stack([head.residual.bias for head in heads]).unsqueeze(1)  # (K, 1, C)
-        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight for head in heads])  # (K, V, C)
-        self.lm_head = model.base.lm_head
+        heads, dtype = model.heads, model.draft_dtype or model.base.lm_head.weight.dtype
+        self.w1 = torch.stack([head.residual.weight for head in heads]).to(dtype)           # (K, C, C)
+        self.b1 = torch.stack([head.residual.bias for head in heads]).unsqueeze(1).to(dtype)  # (K, 1, C)
+        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight for head in heads]).to(dtype)  # (K, V, C)
+        self.lm_head = model.base.lm_head.weight.to(dtype)                                 # (V, C): a copy only if dtype differs
 
     def __call__(self, h, num_heads: int):
-        """h (C,) -> (D, V) logits of the first D = num_heads heads."""
+        """h (C,) -> (D, V) logits of the first D = num_heads heads, in the stack's dtype."""
         D, C = num_heads, h.size(-1)
+        h = h.to(self.w1.dtype)                                             # a no-op unless drafting in another dtype
         r = torch.baddbmm(self.b1[:D], h.expand(D, 1, C), self.w1[:D].mT)   # (D, 1, C): W1 h + b1, per head
         r = h + F.silu(r)                                                   # (D, 1, C)
-        logits = self.lm_head(r) if self.w2 is None else torch.bmm(r, self.w2[:D].mT)  # (D, 1, V)
+        logits = F.linear(r, self.lm_head) if self.w2 is None else torch.bmm(r, self.w2[:D].mT)  # (D, 1, V)
         return logits.view(D, -1)                                           # (D, 1, V) -> (D, V)
 
 
@@ -365,12 +373,14 @@ def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: 
     node n's entry in slot S + n. Returns hidden states (N, C) and base logits (N, V);
     logits[n] predicts the token after node n. ValueError if the deepest node would sit at or
     past block_size."""
-    S = cache.length
-    if S + buffers.depth >= model.base.config.block_size:
-        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size="
-                         f"{model.base.config.block_size}: cut the tree")
-    position_ids = buffers.position_ids + S                                 # (N,): depth + S
-    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
+    S, block = cache.length, model.base.config.block_size
+    if S + buffers.depth >= block:
+        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: cut the tree")
+    # Views of tables made once per tree and context (TreeBuffers.context), so a step computes neither.
+    positions, bias = buffers.context(block)
+    position_ids = positions[S]                                             # (N,): S + depth
+    attn_bias = bias[:, block - S:]                                         # (N, S+N): zeros for the S committed, then attn_bias
+    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, attn_bias, cache)[0]  # (N, C)
     return h, model.base.lm_head(h)
 
 

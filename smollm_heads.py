@@ -3,13 +3,17 @@
 Stages, each printing what it measured:
   1. prompts   a few hundred offline instructions: Shakespeare passages (continue, explain, summarise, ...)
                and general questions; whole plays and topics held out for evaluation.
-  2. distill   the model's own greedy answers; the hidden states decoding computed on the way are kept
-               (the backbone is frozen, so they are computed once, by the same forward that decodes).
+  2. distill   the model's own greedy answers, 128 prompts at a time; the hidden states decoding computed
+               on the way are kept (the backbone is frozen, so they are computed once, by the same forward
+               that decodes). Where bf16 is native, a bf16 copy of the model writes them, about twice as
+               fast: they are only training data. The held-out answers come from the fp32 model itself.
   3. heads     Medusa-1: one residual block per head, projected through the frozen, shared lm_head.
+               Decoding drafts with a bf16 copy of the projection (model.draft_dtype): measured, reported.
   4. tree      head accuracies on held-out prompts, a grown tree, its size chosen from measured step costs.
   5. report    plain greedy against Medusa greedy on held-out chat prompts (benchmark.compare), best
                thread count against best, and the cost of one forward against its number of new tokens.
 """
+import copy
 import json
 import os
 import random
@@ -22,12 +26,12 @@ from tqdm import tqdm
 import benchmark
 import data
 import smollm
-from common import save_checkpoint, sync
-from medusa_mini import KVCache, MedusaModel, generate, medusa_loss
+from common import native_bf16, save_checkpoint, sync
+from medusa_mini import HeadStack, KVCache, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
 NUM_HEADS = 4        # the grown tree goes only as deep as the measured accuracies pay for
-ANSWER_TOKENS = 48   # tokens generated per distillation prompt
+ANSWER_TOKENS = 96   # tokens generated per distillation prompt (answers end sooner at <|im_end|>: 70 on average)
 BLOCK_SIZE = 384     # the KV cache's length: prompts (< 200 tokens) plus answers fit
 
 # ---------------------------------------------------------------------------------------- 1. prompts
@@ -43,14 +47,29 @@ QUESTIONS = [  # {topic} is one of TOPICS
     "What is {topic}?", "Explain {topic} to a ten-year-old.", "Write a short poem about {topic}.",
     "Give me three interesting facts about {topic}.", "Write a haiku about {topic}.",
     "Why does {topic} matter? Answer in a short paragraph.", "Describe {topic} in two sentences.",
-    "Write a short story for children about {topic}.",
+    "Write a short story for children about {topic}.", "What are the pros and cons of {topic}?",
+    "Write a limerick about {topic}.", "How would you explain {topic} to someone from the year 1500?",
+    "List five words that remind you of {topic}, and say why.", "Write a short letter to a friend about {topic}.",
+    "What is a common misconception about {topic}?", "Write a tweet about {topic}.",
+    "Give me a fun quiz question about {topic}, with its answer.",
 ]
 TOPICS = ["the ocean", "photosynthesis", "the moon", "friendship", "volcanoes", "the water cycle", "bees",
           "gravity", "the internet", "rainbows", "a healthy breakfast", "the human heart", "electricity",
           "the Roman Empire", "recycling", "dinosaurs", "the solar system", "music", "mountains", "sleep",
           "the printing press", "clouds", "democracy", "honey", "a library", "trees", "exercise", "snow",
           "the desert", "computers", "kindness", "the rainforest", "bicycles", "coffee", "the stars",
-          "earthquakes", "the alphabet", "chess", "gardening", "the wind"]
+          "earthquakes", "the alphabet", "chess", "gardening", "the wind", "penguins", "the Great Wall of China",
+          "vaccines", "money", "the brain", "tea", "autumn", "trains", "the Olympic Games", "cats", "dogs",
+          "a thunderstorm", "the Eiffel Tower", "robots", "the Sahara", "coral reefs", "jazz", "painting",
+          "mathematics", "the seasons", "bridges", "the Renaissance", "chocolate", "elephants", "spiders",
+          "glaciers", "airplanes", "the weather", "a birthday party", "soap", "salt", "maps", "time zones",
+          "the immune system", "whales", "fire", "the ancient Egyptians", "a good night's sleep", "poetry",
+          "the guitar", "solar power", "wind turbines", "a city park", "learning a language", "the piano",
+          "the Moon landing", "butterflies", "mushrooms", "the Amazon river", "the human skeleton",
+          "planting a tree", "saving money", "the theatre", "castles", "pirates", "the post office",
+          "microscopes", "telescopes", "the Internet of Things", "video games", "football", "a marathon",
+          "the sun", "magnets", "the periodic table", "bread baking", "knitting", "board games", "farming",
+          "wolves", "a school day", "the library of Alexandria", "paper", "ink", "the compass", "sailing ships"]
 HELD_OUT_TOPICS = ["lighthouses", "the Arctic", "bread", "owls", "rivers", "teamwork"]
 
 
@@ -67,7 +86,7 @@ def passage_prompt(enc, task, text, length):
     return None
 
 
-def instruction_prompts(enc, seed=0, shakespeare=96, general=96, held_out=12, passage_length=72):
+def instruction_prompts(enc, seed=0, shakespeare=384, general=640, held_out=12, passage_length=72):
     """(training prompts, held-out prompts). Held out: the three plays data.split_plays holds out for
     the tiny GPT (seed 0), and topics no training prompt mentions. Passage prompts all have
     passage_length tokens; the questions take a few lengths."""
@@ -102,17 +121,17 @@ def same_length_batches(prompt_ids, max_batch):
 # ---------------------------------------------------------------------------------------- 2. distill
 
 @torch.no_grad()
-def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=32):
+def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=128):
     """The model's greedy answers, and every hidden state decoding computed on the way.
 
-    Returns h (N, L, C), y (N, L) and start (N,): h[i, t] is the final hidden state at position t of
+    Returns h (N, L, C) in the base's dtype, y (N, L) and start (N,): h[i, t] is the final hidden state at position t of
     prompt + answer, y[i, t] the token at t+1 (-100, which the loss ignores, after <|im_end|> and in
     the padding), start[i] the position whose next token is the answer's first. A hook on the final
     norm keeps what generate() computes anyway: the prompt's states at prefill, then one per token."""
     prompt_ids = [smollm.chat_tokens(enc, p) for p in prompts]
     end = enc.encode_single_token("<|im_end|>")
     L = max(map(len, prompt_ids)) + n_new - 1
-    h = torch.zeros(len(prompts), L, base.config.n_embd)
+    h = torch.zeros(len(prompts), L, base.config.n_embd, dtype=base.lm_head.weight.dtype)  # bf16 halves the memory
     y = torch.full((len(prompts), L), -100, dtype=torch.long)
     seen = []
     hook = base.norm.register_forward_hook(lambda module, args, out: seen.append(out))  # (B, T, C)
@@ -135,7 +154,7 @@ def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=32):
 
 # ---------------------------------------------------------------------------------------- 3. heads
 
-def train_heads(model: MedusaModel, h, y, train_loop, steps=200, lr=3e-3, batch=4, seed=0):
+def train_heads(model: MedusaModel, h, y, train_loop, steps=400, lr=3e-3, batch=8, seed=0):
     """Medusa-1 on stored hidden states: loss sum_k 0.8^k CE(head k at t, token t+k+1).
 
     The softmax runs over the V' tokens the texts use (2178 of 49152 here), a sampled softmax that
@@ -154,7 +173,7 @@ def train_heads(model: MedusaModel, h, y, train_loop, steps=200, lr=3e-3, batch=
         with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products: about twice as fast on a CPU
             head_logits = torch.stack([head(h[rows], proj) for head in model.heads])  # (K, B, L, V')
         loss, per_head = medusa_loss(head_logits.float(), targets[rows])
-        return loss, {"loss": f"{loss.item():.3f}", "head1": f"{per_head[0].item():.2f}"}
+        return loss, {"head1": per_head[0]}  # tensors: train_loop reads them only when it logs
 
     params = [p for head in model.heads for p in head.parameters()]
     history, _ = train_loop("heads", [(params, 1.0)], loss_fn, steps, lr,
@@ -173,7 +192,7 @@ def head_accuracies(model: MedusaModel, h, y, start, ranks=10):
         hits = []
         for row in range(len(h)):  # one answer at a time: (L, V) logits, not (N, L, V)
             s = start[row]
-            guesses = head(h[row, s:-k], model.base.lm_head).topk(ranks, -1).indices  # (L-s-k, ranks)
+            guesses = head(h[row, s:-k].float(), model.base.lm_head).topk(ranks, -1).indices  # (L-s-k, ranks)
             actual = y[row, s + k:]                                                    # (L-s-k,)
             hits.append((guesses == actual[:, None])[actual >= 0])                     # (m, ranks)
         acc.append(torch.cat(hits).float().mean(0).tolist())
@@ -201,6 +220,25 @@ def forward_costs(base, cache_length=100, sizes=(1, 2, 4, 8, 16, 32, 64), repeat
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+@torch.no_grad()
+def draft_costs(model, repeats=21):
+    """Milliseconds of one step's drafts (HeadStack: every head at one position), with the heads and
+    the shared projection in fp32 and in bf16 (model.draft_dtype), medians; at the current threads."""
+    h = torch.randn(model.base.config.n_embd, device=model.base.lm_head.weight.device)
+    saved, costs = model.draft_dtype, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model.draft_dtype = dtype
+        stack, times = HeadStack(model), []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            stack(h, len(model.heads))
+            sync(h.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        costs[str(dtype).removeprefix("torch.")] = statistics.median(times)
+    model.draft_dtype = saved
+    return costs
+
+
 def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
     """Plain greedy against Medusa greedy, every thread count, interleaved, medians (benchmark.compare);
     rows as benchmark.summarise makes them: speedup = best Medusa tokens/s over best plain tokens/s."""
@@ -215,15 +253,16 @@ def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
 
 # ---------------------------------------------------------------------------------------- all stages
 
-def load_medusa_smollm2(path, block_size=BLOCK_SIZE):
-    """SmolLM2 from its GGUF plus the heads (and tree) saved by run()."""
+def load_medusa_smollm2(path, block_size=BLOCK_SIZE, device="cpu"):
+    """SmolLM2 from its GGUF plus the heads (and tree) saved by run(), drafting in bf16 where it is native."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     model = MedusaModel(smollm.load_smollm2(block_size), num_heads=ckpt["num_heads"], share_lm_head=True)
     model.heads.load_state_dict(ckpt["heads"])
-    return model.eval(), ckpt
+    model.draft_dtype = torch.bfloat16 if native_bf16(device) else None
+    return model.to(device).eval(), ckpt
 
 
-def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=200, report_prompts=4, report_tokens=64):
+def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_prompts=6, report_tokens=64):
     """Every stage; writes out/heads.pt (the heads only: the base comes from the wheel) and report.json.
     train_loop: train_heads.train_loop, the project's AdamW loop, passed in so that this module does
     not import the command that imports it."""
@@ -245,11 +284,15 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=200, report_p
         (h, y, _), (val_h, val_y, val_start) = saved["train"], saved["held_out"]
         print(f"distill: reusing {cache}")
     else:
-        h, y, start = distill(base, enc, train_prompts)
+        # Training data only, so a bf16 copy may write it (about twice as fast where bf16 is native);
+        # the held-out answers, which the tree is grown from, come from the fp32 model that decodes.
+        writer = copy.deepcopy(base).to(torch.bfloat16) if native_bf16("cpu") else base
+        h, y, start = distill(writer, enc, train_prompts)
+        del writer
         val_h, val_y, val_start = distill(base, enc, held_out)
         save_checkpoint(cache, key=key, train=(h, y, start), held_out=(val_h, val_y, val_start))
-        print(f"distill: {len(train_prompts)} answers of the model's own, {int((y >= 0).sum()):,} positions with hidden states, "
-              f"in {time.time() - t0:.0f}s")
+        print(f"distill: {len(train_prompts)} answers of the model's own ({h.dtype}), {int((y >= 0).sum()):,} "
+              f"positions with hidden states, in {time.time() - t0:.0f}s")
 
     t0 = time.time()
     with torch.enable_grad():
@@ -258,6 +301,9 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=200, report_p
     print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {vocab} tokens the answers use); "
           f"held-out top-1 " + " ".join(f"{a[0]:.2f}" for a in accuracies))
 
+    # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, and verification
+    # by the fp32 base keeps the output exact (measured below: draft_costs).
+    model.draft_dtype = torch.bfloat16 if native_bf16("cpu") else None
     order = grow_tree(accuracies, 64)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]
     prompts = prompts[:report_prompts]
@@ -273,17 +319,21 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=200, report_p
     threads = benchmark.thread_counts("cpu", threads)  # 1 .. the number of cores, or the one asked for
     print(f"report: plain and Medusa greedy x {len(threads)} thread counts x {len(prompts)} held-out chat "
           f"prompts x {report_tokens} tokens, interleaved")
-    table = best_against_best(model, prompts, report_tokens, chosen, threads)
+    table = best_against_best(model, prompts, report_tokens, chosen, threads, repeats=2)
     curve = forward_costs(base)
+    drafts = draft_costs(model)
     report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "threads": threads,
               "prompts": len(prompts), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
               "accuracies": accuracies, "step_costs": costs, "modes": table, "forward_ms": curve,
+              "draft_dtype": str(model.draft_dtype), "draft_ms": drafts, "plain_step_ms": costs[tree_threads]["plain_step_ms"],
               "total_seconds": time.time() - t_start}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print("\n" + benchmark.format_table(report))
     print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
                                                            for n, ms in curve.items()))
+    print("one step's drafts (4 heads, shared projection): " + ", ".join(f"{d} {ms:.1f} ms" for d, ms in drafts.items())
+          + f"; drafting in {model.draft_dtype}")
     print(f"total {time.time() - t_start:.0f}s; heads and report in {out}/")
     return report
 
@@ -293,6 +343,6 @@ def load_chat(out, message, device="cpu"):
     path = os.path.join(out, "heads.pt")
     if not os.path.exists(path):
         raise ValueError(f"{path} not found: run `python train_heads.py --base smollm2` first")
-    model, ckpt = load_medusa_smollm2(path)
+    model, ckpt = load_medusa_smollm2(path, device=device)
     enc = smollm.load_tokenizer()
-    return model.to(device), ckpt, enc, smollm.chat_tokens(enc, message)
+    return model, ckpt, enc, smollm.chat_tokens(enc, message)

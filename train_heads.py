@@ -20,23 +20,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import benchmark
-from common import (PRESETS, file_digest, load_checkpoint, load_medusa, load_tokenizer, pick_device,
+from common import (PRESETS, cpu_has_native_bf16, file_digest, load_checkpoint, load_medusa, load_tokenizer, pick_device,
                     prepare_data, random_prompts, save_checkpoint, sync, windows)
 from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
 
-
 # ---------------------------------------------------------------------------------------- device and precision
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), from the Linux flags."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 def training_dtype(device) -> torch.dtype:
     """The autocast dtype for training: bf16 on a CUDA GPU with bf16 tensor cores; fp16 (with a

@@ -7,7 +7,7 @@ it is the base model's own next token. Conventions: docs/medusa.md section 2.
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,30 @@ class TreeBuffers:
     topk: int                       # largest rank + 1 = how many guesses per head the tree needs
     rows: list[list[int]]           # retrieve_indices without padding, on the host (no device read)
     row_of: list[int]               # row_of[n] = a row whose path passes through node n
+    _contexts: dict = field(default_factory=dict, repr=False, compare=False)  # context(): block_size -> tables
+
+    # Derived from the fields above once, so that a decoding step only indexes (no op recomputes them).
+    @functools.cached_property
+    def candidate_index(self) -> torch.Tensor:
+        """(P, L): where each path slot's token sits in [root, head 1 top-k, ..., head D top-k, -1]
+        (generate_candidates' flat vector): token_index along the rows, and the final -1 for padding."""
+        return torch.where(self.padding, 1 + self.depth * self.topk, self.token_index[self.gather_index])
+
+    @functools.cached_property
+    def pad_token(self) -> torch.Tensor:
+        """(1,) the -1 that padded candidate slots read."""
+        return torch.full((1,), -1, dtype=torch.long, device=self.token_index.device)
+
+    def context(self, block_size: int):
+        """Tables for decoding in a context of block_size: (positions (block_size, N), bias (N, block_size + N)).
+        After S committed tokens the nodes sit at positions[S] = S + depth, and bias[:, block_size - S:]
+        is their (N, S+N) additive mask: zeros for the S committed tokens, then attn_bias. Both are
+        views; the tables are made on first use and kept."""
+        if block_size not in self._contexts:
+            positions = torch.arange(block_size, device=self.position_ids.device)[:, None] + self.position_ids
+            bias = torch.cat([self.attn_bias.new_zeros(len(self.node_paths), block_size), self.attn_bias], dim=1)
+            self._contexts[block_size] = positions, bias
+        return self._contexts[block_size]
 
     def to(self, device):
         """A copy with every tensor on `device` (built once, before decoding)."""
@@ -149,9 +173,9 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
     if root is None:
         root = base_logits.argmax(-1)
     guesses = head_logits[:buffers.depth].topk(buffers.topk, dim=-1).indices  # (K, V) -> (D, topk)
-    flat = torch.cat([root.view(1), guesses.flatten()])                      # (1 + D*topk,)
+    flat = torch.cat([root.view(1), guesses.flatten(), buffers.pad_token])   # (1 + D*topk + 1,): the last is -1
     tree_tokens = flat[buffers.token_index]                                   # (N,)
-    candidates = gather_paths(tree_tokens, buffers).masked_fill(buffers.padding, -1)  # (P, L)
+    candidates = flat[buffers.candidate_index]                                # (P, L): padded slots read the -1
     return tree_tokens, candidates
 
 

@@ -217,6 +217,29 @@ def test_stacked_heads_equal_head_logits(share_lm_head):
     assert share_lm_head == all(head.proj is None for head in model.heads)
 
 
+def test_bf16_drafts_leave_greedy_output_exact(periodic_model):
+    """Drafting in bfloat16 (model.draft_dtype) changes only the proposals: the heads' logits are
+    bf16-close to fp32 ones, their top guesses agree, and greedy Medusa still equals plain greedy."""
+    from medusa_mini import medusa_generate
+    model = periodic_model
+    idx = torch.tensor([[3, 17, 5]], device=model.base.lm_head.weight.device)
+    plain = generate(model, idx, 40)
+    h = model.base.hidden(idx)[0, -1]
+    full = HeadStack(model)(h, len(model.heads))
+    try:
+        model.draft_dtype = torch.bfloat16
+        drafts = HeadStack(model)(h, len(model.heads))
+        out, stats = medusa_generate(model, idx, 40, [(0,), (1,), (0, 0), (0, 0, 0)])
+    finally:
+        model.draft_dtype = None
+    assert drafts.dtype == torch.bfloat16, f"drafts in {drafts.dtype}, expected bfloat16"
+    torch.testing.assert_close(drafts.float(), full, atol=0.1, rtol=0.02)
+    assert torch.equal(drafts.argmax(-1), full.argmax(-1)), "bf16 drafts changed the heads' top guesses"
+    from conftest import assert_same_tokens
+    assert_same_tokens(out, plain, model, stats, 3)
+    assert stats.tokens_per_step > 2, f"{stats.tokens_per_step:.2f} tokens/step with bf16 drafts on a confident model"
+
+
 def test_divergence_report_gives_the_top2_margin():
     """When greedy outputs differ, the failure names the first divergent token and the margin there."""
     from conftest import assert_same_tokens
