@@ -148,8 +148,7 @@ class GPT(nn.Module):
         position_ids (T,): default S, S+1, ... A tree passes depth + S; the caller keeps those
         below block_size (checking them here would read them back from the device every step).
         attn_mask (T, T) among the new tokens, bool (True = may attend) or additive (0 or -inf);
-        default causal; a tree passes its own. Every new token also sees all S committed tokens:
-        a (T, T) mask is widened to (T, S+T) with them visible, or it may come that wide already."""
+        default causal; a tree passes its own. Every new token also sees all S committed tokens."""
         B, T = idx.shape
         S = cache.length if cache is not None else 0
         if position_ids is None:
@@ -162,10 +161,8 @@ class GPT(nn.Module):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
             if attn_mask.dtype == torch.bool:  # additive (0 or -inf): attention would convert it in every layer
-                attn_mask = torch.zeros(attn_mask.shape, device=x.device).masked_fill(~attn_mask, float("-inf"))
-            if attn_mask.size(-1) == T:
-                attn_mask = F.pad(attn_mask, (S, 0), value=0.0)        # (T, T) -> (T, S+T): the cache is visible
-            mask = attn_mask.to(x.dtype)                               # (T, S+T)
+                attn_mask = torch.zeros(T, T, device=x.device).masked_fill(~attn_mask, float("-inf"))
+            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)      # (T, T) -> (T, S+T): the cache is visible
         for layer, block in enumerate(self.h):
             x = block(x, mask, cache, layer)
         if cache is not None:
@@ -376,11 +373,8 @@ def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: 
     S, block = cache.length, model.base.config.block_size
     if S + buffers.depth >= block:
         raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: cut the tree")
-    # Views of tables made once per tree and context (TreeBuffers.context), so a step computes neither.
-    positions, bias = buffers.context(block)
-    position_ids = positions[S]                                             # (N,): S + depth
-    attn_bias = bias[:, block - S:]                                         # (N, S+N): zeros for the S committed, then attn_bias
-    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, attn_bias, cache)[0]  # (N, C)
+    position_ids = buffers.positions(block)[S]                              # (N,): S + depth, a row of a table made once
+    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
     return h, model.base.lm_head(h)
 
 
@@ -467,13 +461,14 @@ def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, 
     the heads' logits in one batched product). Returns the kept node indices, a tensor (accept + 1,)."""
     S = state.tokens.size(1)
     nodes = buffers.retrieve_indices[best, :accept + 1]             # (a+1,) node indices on the device
-    last = buffers.rows[best][accept]                               # the last of them, read on the host
+    kept = buffers.rows[best][:accept + 1]                          # the same nodes, read on the host
+    last = kept[-1]
     state.buffer[0, S:S + accept + 1] = candidates[best, :accept + 1]
     state.tokens = state.buffer[:, :S + accept + 1]                 # (1, S+a+1)
-    if accept > 0:
-        state.cache.keep(S, nodes)
+    if kept == list(range(accept + 1)):  # nodes 0 .. accept already sit in slots S .. S+accept (the root alone always does)
+        state.cache.rollback(S + accept + 1)
     else:
-        state.cache.rollback(S + 1)                                 # the root already sits in slot S
+        state.cache.keep(S, nodes)
     state.logits = logits[last]                                     # (V,)
     # Only the heads this tree uses: each is a large product next to a small model.
     state.head_logits = state.heads(h[last], buffers.depth)         # (C,) -> (D, V)

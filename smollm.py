@@ -144,8 +144,7 @@ class Llama(nn.Module):
         """Last hidden states h (B, T, C), after the final RMSNorm: the contract of GPT.hidden.
 
         idx (B, T) new tokens after the cache's S entries; position_ids (T,) default S, S+1, ...;
-        attn_mask (T, T) among the new tokens (or already (T, S+T)), bool or additive (default causal);
-        every new token sees all S cached ones.
+        attn_mask (T, T) among the new tokens, bool or additive (default causal); every new token sees all S cached ones.
         RoPE needs no position table, so only the cache's capacity bounds the positions."""
         B, T = idx.shape
         S = cache.length if cache is not None else 0
@@ -157,10 +156,8 @@ class Llama(nn.Module):
             if attn_mask is None:
                 attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
             if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros(attn_mask.shape, device=idx.device).masked_fill(~attn_mask, float("-inf"))
-            if attn_mask.size(-1) == T:
-                attn_mask = F.pad(attn_mask, (S, 0), value=0.0)            # (T, T) -> (T, S+T)
-            mask = attn_mask.to(x.dtype)
+                attn_mask = torch.zeros(T, T, device=idx.device).masked_fill(~attn_mask, float("-inf"))
+            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)          # (T, T) -> (T, S+T)
         cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base)  # 2 x (T, hs/2)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask, cache, layer)

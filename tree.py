@@ -31,7 +31,7 @@ class TreeBuffers:
     topk: int                       # largest rank + 1 = how many guesses per head the tree needs
     rows: list[list[int]]           # retrieve_indices without padding, on the host (no device read)
     row_of: list[int]               # row_of[n] = a row whose path passes through node n
-    _contexts: dict = field(default_factory=dict, repr=False, compare=False)  # context(): block_size -> tables
+    _positions: dict = field(default_factory=dict, repr=False, compare=False)  # positions(): block_size -> table
 
     # Derived from the fields above once, so that a decoding step only indexes (no op recomputes them).
     @functools.cached_property
@@ -45,16 +45,12 @@ class TreeBuffers:
         """(1,) the -1 that padded candidate slots read."""
         return torch.full((1,), -1, dtype=torch.long, device=self.token_index.device)
 
-    def context(self, block_size: int):
-        """Tables for decoding in a context of block_size: (positions (block_size, N), bias (N, block_size + N)).
-        After S committed tokens the nodes sit at positions[S] = S + depth, and bias[:, block_size - S:]
-        is their (N, S+N) additive mask: zeros for the S committed tokens, then attn_bias. Both are
-        views; the tables are made on first use and kept."""
-        if block_size not in self._contexts:
-            positions = torch.arange(block_size, device=self.position_ids.device)[:, None] + self.position_ids
-            bias = torch.cat([self.attn_bias.new_zeros(len(self.node_paths), block_size), self.attn_bias], dim=1)
-            self._contexts[block_size] = positions, bias
-        return self._contexts[block_size]
+    def positions(self, block_size: int) -> torch.Tensor:
+        """(block_size, N): row S holds S + depth, the nodes' position ids after S committed tokens.
+        Made on first use and kept, so a decoding step takes a row (a view) instead of adding S."""
+        if block_size not in self._positions:
+            self._positions[block_size] = torch.arange(block_size, device=self.position_ids.device)[:, None] + self.position_ids
+        return self._positions[block_size]
 
     def to(self, device):
         """A copy with every tensor on `device` (built once, before decoding)."""
