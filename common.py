@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -95,9 +96,12 @@ def load_checkpoint(path, config: GPTConfig | None = None, device="cpu"):
     if not os.path.exists(path):
         raise ValueError(f"{path} not found: run `python train_heads.py` first")
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():  # a corrupt file also makes torch warn about its pickle protocol
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"{path} is not a readable medusa-mini checkpoint ({type(e).__name__}: {e}); "
+        first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch's messages run on, with advice we do not give
+        raise ValueError(f"{path} is not a readable medusa-mini checkpoint ({type(e).__name__}: {first}); "
                          f"delete it or point --out elsewhere") from None
     if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
         raise ValueError(f"{path} is not a medusa-mini checkpoint (no config or model in it)")

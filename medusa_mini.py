@@ -215,9 +215,11 @@ class MedusaModel(nn.Module):
         self.base = base
         self.share_lm_head = share_lm_head
         self.heads = nn.ModuleList([MedusaHead(base, share_lm_head) for _ in range(num_heads)])
-        # Decoding may draft in a cheaper dtype (e.g. bfloat16; HeadStack): drafts are only proposals,
-        # and verification by the base keeps the output exact whatever they are. None: the base's dtype.
+        # Decoding may draft more cheaply (HeadStack): in another dtype (e.g. bfloat16), and over a
+        # subset of the vocabulary (token ids, e.g. those the heads were trained on). Drafts are only
+        # proposals: verification by the base keeps the output exact whatever they are. None: as the base.
         self.draft_dtype = None
+        self.draft_vocab = None
 
     def head_logits(self, h, num_heads: int | None = None):
         """Logits of the first num_heads heads (default all): (..., C) -> (K, ..., V)."""
@@ -235,15 +237,18 @@ class HeadStack:
     A decoding step evaluates the heads at one hidden state; on a GPU what that costs is mostly one
     kernel launch per op. Stacking the heads' weights once per generation turns K small products
     into one batched product (tested equal to head_logits). The weights are taken in
-    model.draft_dtype when it is set: a bfloat16 copy reads half the bytes of an fp32 projection.
-    Built from the model's current weights: build a new one after training."""
+    model.draft_dtype when it is set (a bfloat16 copy reads half the bytes of an fp32 projection),
+    and only the rows of model.draft_vocab when it is set (a large vocabulary's projection is most
+    of a head's cost). Built from the model's current weights: build a new one after training."""
 
     def __init__(self, model: MedusaModel):
-        heads, dtype = model.heads, model.draft_dtype or model.base.lm_head.weight.dtype
+        heads, dtype, vocab = model.heads, model.draft_dtype or model.base.lm_head.weight.dtype, model.draft_vocab
+        rows = slice(None) if vocab is None else vocab
         self.w1 = torch.stack([head.residual.weight for head in heads]).to(dtype)           # (K, C, C)
         self.b1 = torch.stack([head.residual.bias for head in heads]).unsqueeze(1).to(dtype)  # (K, 1, C)
-        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight for head in heads]).to(dtype)  # (K, V, C)
-        self.lm_head = model.base.lm_head.weight.to(dtype)                                 # (V, C): a copy only if dtype differs
+        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight[rows] for head in heads]).to(dtype)  # (K, V', C)
+        self.lm_head = model.base.lm_head.weight[rows].to(dtype)                           # (V', C): a copy only if it differs
+        self.vocab, self.V = vocab, model.base.config.vocab_size
 
     def __call__(self, h, num_heads: int):
         """h (C,) -> (D, V) logits of the first D = num_heads heads, in the stack's dtype."""
@@ -251,8 +256,11 @@ class HeadStack:
         h = h.to(self.w1.dtype)                                             # a no-op unless drafting in another dtype
         r = torch.baddbmm(self.b1[:D], h.expand(D, 1, C), self.w1[:D].mT)   # (D, 1, C): W1 h + b1, per head
         r = h + F.silu(r)                                                   # (D, 1, C)
-        logits = F.linear(r, self.lm_head) if self.w2 is None else torch.bmm(r, self.w2[:D].mT)  # (D, 1, V)
-        return logits.view(D, -1)                                           # (D, 1, V) -> (D, V)
+        logits = F.linear(r, self.lm_head) if self.w2 is None else torch.bmm(r, self.w2[:D].mT)  # (D, 1, V')
+        logits = logits.view(D, -1)                                         # (D, 1, V') -> (D, V')
+        if self.vocab is not None:  # tokens outside the drafting vocabulary are never proposed
+            logits = logits.new_full((D, self.V), float("-inf")).index_copy_(1, self.vocab, logits)  # (D, V)
+        return logits
 
 
 def medusa_loss(head_logits, targets, decay: float = 0.8):

@@ -8,7 +8,8 @@ Stages, each printing what it measured:
                that decodes). Where bf16 is native, a bf16 copy of the model writes them, about twice as
                fast: they are only training data. The held-out answers come from the fp32 model itself.
   3. heads     Medusa-1: one residual block per head, projected through the frozen, shared lm_head.
-               Decoding drafts with a bf16 copy of the projection (model.draft_dtype): measured, reported.
+               Decoding drafts with a bf16 copy of the projection, over the tokens the heads were
+               trained on (model.draft_dtype, model.draft_vocab): measured and reported (draft_costs).
   4. tree      head accuracies on held-out prompts, a grown tree, its size chosen from measured step costs.
   5. report    plain greedy against Medusa greedy on held-out chat prompts (benchmark.compare), best
                thread count against best, and the cost of one forward against its number of new tokens.
@@ -16,9 +17,11 @@ Stages, each printing what it measured:
 import copy
 import json
 import os
+import pickle
 import random
 import statistics
 import time
+import warnings
 
 import torch
 from tqdm import tqdm
@@ -158,8 +161,8 @@ def train_heads(model: MedusaModel, h, y, train_loop, steps=400, lr=3e-3, batch=
     """Medusa-1 on stored hidden states: loss sum_k 0.8^k CE(head k at t, token t+k+1).
 
     The softmax runs over the V' tokens the texts use (2178 of 49152 here), a sampled softmax that
-    makes the projection V/V' times cheaper. Decoding still ranks the full vocabulary, and tokens
-    outside V' get no gradient: measured held-out head-1 top-1 was 0.17 over all tokens, 0.23 over V'."""
+    makes the projection V/V' times cheaper. Tokens outside V' get no gradient, so decoding drafts
+    from V' alone (model.draft_vocab). Returns (history, V' as token ids)."""
     vocab = y[y >= 0].unique()                                                # (V',)
     index = torch.full((model.base.config.vocab_size,), -100, dtype=torch.long)
     index[vocab] = torch.arange(len(vocab))
@@ -178,7 +181,7 @@ def train_heads(model: MedusaModel, h, y, train_loop, steps=400, lr=3e-3, batch=
     params = [p for head in model.heads for p in head.parameters()]
     history, _ = train_loop("heads", [(params, 1.0)], loss_fn, steps, lr,
                             save=lambda *a, **k: print("heads: not resumable, run again"))
-    return history, len(vocab)
+    return history, vocab
 
 
 # ---------------------------------------------------------------------------------------- 4. tree
@@ -221,21 +224,23 @@ def forward_costs(base, cache_length=100, sizes=(1, 2, 4, 8, 16, 32, 64), repeat
 
 
 @torch.no_grad()
-def draft_costs(model, repeats=21):
-    """Milliseconds of one step's drafts (HeadStack: every head at one position), with the heads and
-    the shared projection in fp32 and in bf16 (model.draft_dtype), medians; at the current threads."""
+def draft_costs(model, vocab, repeats=21):
+    """Milliseconds of one step's drafts (HeadStack: every head at one position), medians at the
+    current threads: the heads and shared projection in fp32, in bf16 (model.draft_dtype), and in
+    bf16 over the vocabulary the heads were trained on (model.draft_vocab)."""
     h = torch.randn(model.base.config.n_embd, device=model.base.lm_head.weight.device)
-    saved, costs = model.draft_dtype, {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model.draft_dtype = dtype
+    saved, costs = (model.draft_dtype, model.draft_vocab), {}
+    for name, dtype, subset in (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
+                                (f"bf16 over {len(vocab)} tokens", torch.bfloat16, vocab)):
+        model.draft_dtype, model.draft_vocab = dtype, subset
         stack, times = HeadStack(model), []
         for _ in range(repeats):
             t0 = time.perf_counter()
             stack(h, len(model.heads))
             sync(h.device)
             times.append((time.perf_counter() - t0) * 1e3)
-        costs[str(dtype).removeprefix("torch.")] = statistics.median(times)
-    model.draft_dtype = saved
+        costs[name] = statistics.median(times)
+    model.draft_dtype, model.draft_vocab = saved
     return costs
 
 
@@ -255,11 +260,21 @@ def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
 
 def load_medusa_smollm2(path, block_size=BLOCK_SIZE, device="cpu"):
     """SmolLM2 from its GGUF plus the heads (and tree) saved by run(), drafting in bf16 where it is native."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    model = MedusaModel(smollm.load_smollm2(block_size), num_heads=ckpt["num_heads"], share_lm_head=True)
-    model.heads.load_state_dict(ckpt["heads"])
+    try:
+        with warnings.catch_warnings():  # a corrupt file also makes torch warn about its pickle protocol
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        model = MedusaModel(smollm.load_smollm2(block_size), num_heads=ckpt["num_heads"], share_lm_head=True)
+        model.heads.load_state_dict(ckpt["heads"])
+    except (OSError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as e:  # truncated, corrupt or foreign
+        first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch's messages run on, with advice we do not give
+        raise ValueError(f"{path} does not hold SmolLM2 heads ({type(e).__name__}: {first}); "
+                         f"run `python train_heads.py --base smollm2` again") from None
     model.draft_dtype = torch.bfloat16 if native_bf16(device) else None
-    return model.to(device).eval(), ckpt
+    model = model.to(device).eval()
+    vocab = ckpt.get("draft_vocab")  # token ids the heads were trained on (absent: the whole vocabulary)
+    model.draft_vocab = None if vocab is None else vocab.to(device)
+    return model, ckpt
 
 
 def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_prompts=6, report_tokens=64):
@@ -298,12 +313,14 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     with torch.enable_grad():
         history, vocab = train_heads(model, h, y, train_loop, steps=steps, seed=seed)
     accuracies = head_accuracies(model, val_h, val_y, val_start)
-    print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {vocab} tokens the answers use); "
+    print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {len(vocab)} tokens the answers use); "
           f"held-out top-1 " + " ".join(f"{a[0]:.2f}" for a in accuracies))
 
-    # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, and verification
-    # by the fp32 base keeps the output exact (measured below: draft_costs).
+    # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, its rows for the
+    # V' trained tokens a fraction of them, and verification by the fp32 base keeps the output exact
+    # (measured below: draft_costs).
     model.draft_dtype = torch.bfloat16 if native_bf16("cpu") else None
+    model.draft_vocab = vocab
     order = grow_tree(accuracies, 64)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]
     prompts = prompts[:report_prompts]
@@ -314,18 +331,18 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
           f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
           f"{costs[tree_threads]['relative'][len(chosen)]:.2f}x a plain step)")
     save_checkpoint(os.path.join(out, "heads.pt"), heads=model.heads.state_dict(), num_heads=NUM_HEADS,
-                    tree=[list(p) for p in chosen], accuracies=accuracies, history=history)
+                    draft_vocab=vocab, tree=[list(p) for p in chosen], accuracies=accuracies, history=history)
 
     threads = benchmark.thread_counts("cpu", threads)  # 1 .. the number of cores, or the one asked for
     print(f"report: plain and Medusa greedy x {len(threads)} thread counts x {len(prompts)} held-out chat "
           f"prompts x {report_tokens} tokens, interleaved")
     table = best_against_best(model, prompts, report_tokens, chosen, threads, repeats=2)
     curve = forward_costs(base)
-    drafts = draft_costs(model)
+    drafts = draft_costs(model, vocab)
     report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "threads": threads,
               "prompts": len(prompts), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
               "accuracies": accuracies, "step_costs": costs, "modes": table, "forward_ms": curve,
-              "draft_dtype": str(model.draft_dtype), "draft_ms": drafts, "plain_step_ms": costs[tree_threads]["plain_step_ms"],
+              "draft_dtype": str(model.draft_dtype), "draft_vocab": len(vocab), "draft_ms": drafts, "plain_step_ms": costs[tree_threads]["plain_step_ms"],
               "total_seconds": time.time() - t_start}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -333,7 +350,7 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
                                                            for n, ms in curve.items()))
     print("one step's drafts (4 heads, shared projection): " + ", ".join(f"{d} {ms:.1f} ms" for d, ms in drafts.items())
-          + f"; drafting in {model.draft_dtype}")
+          + f"; decoding drafts in {model.draft_dtype} over {len(vocab)} tokens")
     print(f"total {time.time() - t_start:.0f}s; heads and report in {out}/")
     return report
 

@@ -217,27 +217,37 @@ def test_stacked_heads_equal_head_logits(share_lm_head):
     assert share_lm_head == all(head.proj is None for head in model.heads)
 
 
-def test_bf16_drafts_leave_greedy_output_exact(periodic_model):
-    """Drafting in bfloat16 (model.draft_dtype) changes only the proposals: the heads' logits are
-    bf16-close to fp32 ones, their top guesses agree, and greedy Medusa still equals plain greedy."""
+def test_cheaper_drafts_leave_greedy_output_exact(periodic_model):
+    """Drafting in bfloat16 (model.draft_dtype) or over part of the vocabulary (model.draft_vocab)
+    changes only the proposals: bf16 head logits are close to fp32 ones with the same top guesses,
+    the subset's logits equal the full ones on it and are -inf elsewhere, and greedy Medusa still
+    equals plain greedy."""
+    from conftest import assert_same_tokens
     from medusa_mini import medusa_generate
     model = periodic_model
-    idx = torch.tensor([[3, 17, 5]], device=model.base.lm_head.weight.device)
+    device = model.base.lm_head.weight.device
+    idx = torch.tensor([[3, 17, 5]], device=device)
     plain = generate(model, idx, 40)
     h = model.base.hidden(idx)[0, -1]
-    full = HeadStack(model)(h, len(model.heads))
-    try:
-        model.draft_dtype = torch.bfloat16
-        drafts = HeadStack(model)(h, len(model.heads))
-        out, stats = medusa_generate(model, idx, 40, [(0,), (1,), (0, 0), (0, 0, 0)])
-    finally:
-        model.draft_dtype = None
-    assert drafts.dtype == torch.bfloat16, f"drafts in {drafts.dtype}, expected bfloat16"
-    torch.testing.assert_close(drafts.float(), full, atol=0.1, rtol=0.02)
-    assert torch.equal(drafts.argmax(-1), full.argmax(-1)), "bf16 drafts changed the heads' top guesses"
-    from conftest import assert_same_tokens
-    assert_same_tokens(out, plain, model, stats, 3)
-    assert stats.tokens_per_step > 2, f"{stats.tokens_per_step:.2f} tokens/step with bf16 drafts on a confident model"
+    full = HeadStack(model)(h, len(model.heads))                              # (K, V)
+    vocab = torch.arange(0, model.base.config.vocab_size, 2, device=device)   # every other token
+    for dtype, subset in ((torch.bfloat16, None), (None, vocab), (torch.bfloat16, vocab)):
+        model.draft_dtype, model.draft_vocab = dtype, subset
+        try:
+            drafts = HeadStack(model)(h, len(model.heads))
+            out, stats = medusa_generate(model, idx, 40, [(0,), (1,), (0, 0), (0, 0, 0)])
+        finally:
+            model.draft_dtype, model.draft_vocab = None, None
+        case = f"draft_dtype={dtype}, draft_vocab={'every other token' if subset is not None else None}"
+        assert drafts.shape == full.shape and drafts.dtype == (dtype or full.dtype), case
+        expected = full if subset is None else torch.full_like(full, float("-inf")).index_copy_(1, subset, full[:, subset])
+        if dtype is None:
+            assert torch.equal(drafts, expected), case
+        else:
+            torch.testing.assert_close(drafts.float(), expected, atol=0.1, rtol=0.02, msg=lambda m: f"{case}: {m}")
+            assert torch.equal(drafts.argmax(-1), expected.argmax(-1)), f"{case}: bf16 changed the heads' top guesses"
+        assert_same_tokens(out, plain, model, stats, 3)
+    assert stats.tokens_per_step > 1.5, f"{stats.tokens_per_step:.2f} tokens/step drafting from half the vocabulary"
 
 
 def test_divergence_report_gives_the_top2_margin():
