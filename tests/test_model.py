@@ -215,6 +215,10 @@ def test_stacked_heads_equal_head_logits(share_lm_head):
     for depth in (1, 4):
         torch.testing.assert_close(HeadStack(model)(h, depth), model.head_logits(h, depth), atol=1e-5, rtol=1e-5)
     assert share_lm_head == all(head.proj is None for head in model.heads)
+    model.draft_vocab = torch.tensor([1, 5, 6, 30])  # drafting from four tokens: the rest read -inf
+    subset = HeadStack(model)(h, 4)
+    torch.testing.assert_close(subset[:, model.draft_vocab], model.head_logits(h, 4)[:, model.draft_vocab], atol=1e-5, rtol=1e-5)
+    assert (subset.isinf().sum(1) == model.base.config.vocab_size - 4).all()
 
 
 def test_cheaper_drafts_leave_greedy_output_exact(periodic_model):
