@@ -90,19 +90,24 @@ def save_checkpoint(path, **contents):
         raise
 
 
-def load_checkpoint(path, config: GPTConfig | None = None, device="cpu"):
-    """Load with weights_only=True, every tensor onto `device` (a checkpoint written on a GPU
-    holds GPU tensors); a clear ValueError for a corrupt file or another model config."""
-    if not os.path.exists(path):
-        raise ValueError(f"{path} not found: run `python train_heads.py` first")
+def read_checkpoint(path, device="cpu"):
+    """torch.load with weights_only=True, every tensor onto `device` (a checkpoint written on a GPU
+    holds GPU tensors); a truncated or foreign file gives a one-line ValueError."""
     try:
         with warnings.catch_warnings():  # a corrupt file also makes torch warn about its pickle protocol
             warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location=device, weights_only=True)
+            return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
         first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch's messages run on, with advice we do not give
         raise ValueError(f"{path} is not a readable medusa-mini checkpoint ({type(e).__name__}: {first}); "
                          f"delete it or point --out elsewhere") from None
+
+
+def load_checkpoint(path, config: GPTConfig | None = None, device="cpu"):
+    """read_checkpoint, then a clear ValueError for a checkpoint of another kind or model config."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path} not found: run `python train_heads.py` first")
+    ckpt = read_checkpoint(path, device)
     if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
         raise ValueError(f"{path} is not a medusa-mini checkpoint (no config or model in it)")
     if config is not None and ckpt["config"] != dataclasses.asdict(config):

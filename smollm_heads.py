@@ -17,11 +17,9 @@ Stages, each printing what it measured:
 import copy
 import json
 import os
-import pickle
 import random
 import statistics
 import time
-import warnings
 
 import torch
 from tqdm import tqdm
@@ -29,7 +27,7 @@ from tqdm import tqdm
 import benchmark
 import data
 import smollm
-from common import native_bf16, save_checkpoint, sync
+from common import native_bf16, read_checkpoint, save_checkpoint, sync
 from medusa_mini import HeadStack, KVCache, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
@@ -127,9 +125,9 @@ def same_length_batches(prompt_ids, max_batch):
 def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=128):
     """The model's greedy answers, and every hidden state decoding computed on the way.
 
-    Returns h (N, L, C) in the base's dtype, y (N, L) and start (N,): h[i, t] is the final hidden state at position t of
-    prompt + answer, y[i, t] the token at t+1 (-100, which the loss ignores, after <|im_end|> and in
-    the padding), start[i] the position whose next token is the answer's first. A hook on the final
+    Returns h (N, L, C) in the base's dtype, y (N, L) and start (N,): h[i, t] is the final hidden
+    state at position t of prompt + answer, y[i, t] the token at t+1 (-100, which the loss ignores,
+    after <|im_end|> and in the padding), start[i] the position whose next token is the answer's first. A hook on the final
     norm keeps what generate() computes anyway: the prompt's states at prefill, then one per token."""
     prompt_ids = [smollm.chat_tokens(enc, p) for p in prompts]
     end = enc.encode_single_token("<|im_end|>")
@@ -260,15 +258,12 @@ def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
 
 def load_medusa_smollm2(path, block_size=BLOCK_SIZE, device="cpu"):
     """SmolLM2 from its GGUF plus the heads (and tree) saved by run(), drafting in bf16 where it is native."""
+    ckpt = read_checkpoint(path)
     try:
-        with warnings.catch_warnings():  # a corrupt file also makes torch warn about its pickle protocol
-            warnings.simplefilter("ignore")
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
         model = MedusaModel(smollm.load_smollm2(block_size), num_heads=ckpt["num_heads"], share_lm_head=True)
         model.heads.load_state_dict(ckpt["heads"])
-    except (OSError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as e:  # truncated, corrupt or foreign
-        first = (str(e).splitlines() or [""])[0].split(". ")[0]  # torch's messages run on, with advice we do not give
-        raise ValueError(f"{path} does not hold SmolLM2 heads ({type(e).__name__}: {first}); "
+    except (KeyError, TypeError, RuntimeError) as e:  # another kind of checkpoint, or heads of another shape
+        raise ValueError(f"{path} does not hold SmolLM2 heads ({type(e).__name__}: {str(e).splitlines()[0]}); "
                          f"run `python train_heads.py --base smollm2` again") from None
     model.draft_dtype = torch.bfloat16 if native_bf16(device) else None
     model = model.to(device).eval()
@@ -284,6 +279,7 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     torch.manual_seed(seed)
+    fast = native_bf16("cpu")  # bf16 products are native here: bf16 writes the training text and drafts
     reader = smollm.read_gguf()
     base, enc = smollm.load_smollm2(BLOCK_SIZE, reader), smollm.load_tokenizer(reader)
     model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
@@ -295,13 +291,13 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     t0 = time.time()
     cache = os.path.join(out, "distill.pt")
     key = {"prompts": train_prompts, "held_out": held_out, "n_new": ANSWER_TOKENS}
-    if os.path.exists(cache) and (saved := torch.load(cache, weights_only=True))["key"] == key:
+    if os.path.exists(cache) and (saved := read_checkpoint(cache))["key"] == key:
         (h, y, _), (val_h, val_y, val_start) = saved["train"], saved["held_out"]
         print(f"distill: reusing {cache}")
     else:
         # Training data only, so a bf16 copy may write it (about twice as fast where bf16 is native);
         # the held-out answers, which the tree is grown from, come from the fp32 model that decodes.
-        writer = copy.deepcopy(base).to(torch.bfloat16) if native_bf16("cpu") else base
+        writer = copy.deepcopy(base).to(torch.bfloat16) if fast else base
         h, y, start = distill(writer, enc, train_prompts)
         del writer
         val_h, val_y, val_start = distill(base, enc, held_out)
@@ -319,7 +315,7 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, its rows for the
     # V' trained tokens a fraction of them, and verification by the fp32 base keeps the output exact
     # (measured below: draft_costs).
-    model.draft_dtype = torch.bfloat16 if native_bf16("cpu") else None
+    model.draft_dtype = torch.bfloat16 if fast else None
     model.draft_vocab = vocab
     order = grow_tree(accuracies, 64)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]
@@ -342,7 +338,8 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "threads": threads,
               "prompts": len(prompts), "new_tokens": report_tokens, "tree": [list(p) for p in chosen],
               "accuracies": accuracies, "step_costs": costs, "modes": table, "forward_ms": curve,
-              "draft_dtype": str(model.draft_dtype), "draft_vocab": len(vocab), "draft_ms": drafts, "plain_step_ms": costs[tree_threads]["plain_step_ms"],
+              "draft_dtype": str(model.draft_dtype), "draft_vocab": len(vocab), "draft_ms": drafts,
+              "plain_step_ms": costs[tree_threads]["plain_step_ms"],
               "total_seconds": time.time() - t_start}
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import benchmark
 from common import (PRESETS, cpu_has_native_bf16, file_digest, load_checkpoint, load_medusa, load_tokenizer, pick_device,
-                    prepare_data, random_prompts, save_checkpoint, sync, windows)
+                    prepare_data, random_prompts, read_checkpoint, save_checkpoint, sync, windows)
 from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
@@ -219,7 +219,7 @@ def distill_text(args, base, train_ids, device):
     key = {"base": file_digest(os.path.join(args.out, "base.pt")), "prompts": args.distill_prompts,
            "len": args.distill_len, "sampled": args.distill_sampled, "seed": args.seed}
     if os.path.exists(path):
-        cached = torch.load(path, map_location="cpu", weights_only=True)
+        cached = read_checkpoint(path)
         if cached.get("key") == key:
             return cached["tokens"]
     t0 = time.time()
