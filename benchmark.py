@@ -147,8 +147,9 @@ def summarise(runs, name, baseline, threads, n_new):
     return row
 
 
-def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None):
-    """The report's measurements: the mode table, the ops count, the tree-size sweep, what was trained."""
+def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None, sampling_tree=None):
+    """The report's measurements: the mode table, the ops count, the tree-size sweep, what was trained.
+    sampling_tree: a tree grown from accuracies on sampled text, with which exact sampling is also measured."""
     device = next(model.parameters()).device
     threads = thread_counts(device, getattr(args, "threads", None))
     n_new = args.report_tokens
@@ -165,6 +166,9 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
         "medusa typical T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="typical")),
         "medusa exact T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="exact")),
     }
+    if sampling_tree is not None:  # exact sampling on a tree grown for it
+        modes[f"medusa exact T=0.7, sampling tree ({len(sampling_tree)} nodes)"] = (
+            "medusa", dict(choices=sampling_tree, temperature=0.7, sampling="exact"))
     print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
           f"{n_new} tokens, interleaved")
     for name, (kind, kwargs) in modes.items():  # warm-up: first calls, tree buffers
@@ -205,6 +209,7 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
         "ops_ratio": ops["ops_ratio"], "host_reads_per_step": ops["host_reads_per_step"], "ops": ops,
         "device": str(device), "threads": threads, "preset": args.preset,
         "prompts": len(prompts), "new_tokens": n_new, "chosen_tree": [list(p) for p in chosen],
+        "sampling_tree": None if sampling_tree is None else [list(p) for p in sampling_tree],
         "modes": table, "tree_size_sweep": sweep, "sweep_threads": best_threads, "accept_lengths": accept_lengths,
         "accuracies": accuracies, "step_costs": costs, "training": training or {},
         "sample": enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(sample),
@@ -262,6 +267,13 @@ def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
     speedup (a projection, not a measurement)."""
     block = getattr(model, "base", model).config.block_size
     n_new = min(n_new, block - prompt.size(1))          # everything within the context
+    saved = getattr(model, "draft_dtype", None)
+    if saved is not None:  # counted as a GPU decodes: drafting in the base's dtype (common.draft_cheaply)
+        model.draft_dtype = None
+        try:
+            return count_ops(model, prompt, choices, n_new, **medusa_kwargs)
+        finally:
+            model.draft_dtype = saved
     n_plain = n_new // 2                                 # plain: generate 2 * n_plain and n_plain tokens
     medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)  # build the tree buffers and their tables first
     counts = []
@@ -419,12 +431,15 @@ def median_ms(fn, device, repeats=200):
 
 
 @torch.no_grad()
-def breakdown(model, prompt, choices, n_new=128):
+def breakdown(model, prompt, choices, n_new=128, rounds=9):
     """Where a Medusa step's time goes, actual against ideal.
 
-    Actual: each phase timed inside real decoding (medians). Ideal: on the same cache, the tree
-    forward alone, the heads alone and the bookkeeping (candidates, acceptance, cache and token
-    updates) alone, each warm and in isolation. Returns the figures; prints the table."""
+    Actual: whole generations (time per step), and each phase timed inside real decoding. Ideal: on
+    the same cache, the tree forward alone, the heads alone and the bookkeeping (candidates,
+    acceptance, cache and token updates) alone, each warm and in isolation. The two are measured in
+    alternating rounds, so that a machine whose speed drifts (a shared VM's does, by tens of percent
+    within a minute) slows both alike: medians over rounds, and the ratio is the median of the
+    rounds' ratios. Returns the figures; prints the table."""
     import medusa_mini
     device = prompt.device
     times, originals = {}, {}
@@ -438,20 +453,17 @@ def breakdown(model, prompt, choices, n_new=128):
             return result
         setattr(owner, name, timed_fn)
 
-    # Actual: whole generations, then the phases inside one of them.
-    plain = statistics.median(timed(lambda: generate(model, prompt, n_new), device)[0] for _ in range(5)) / n_new
-    runs = [timed(lambda: medusa_generate(model, prompt, n_new, choices), device) for _ in range(5)]
-    step = statistics.median(seconds / stats.steps for seconds, (_, stats) in runs)
-    stats = runs[0][1][1]
-    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"):
-        wrap(medusa_mini, name, name)
-    wrap(HeadStack, "__call__", "heads")
-    try:
-        medusa_generate(model, prompt, n_new, choices)
-    finally:
-        for (owner, name), fn in originals.items():
-            setattr(owner, name, fn)
-    actual = {name: statistics.median(v) * 1e3 for name, v in times.items()}
+    def phases():  # one generation, each phase timed inside it: {phase: median ms}
+        times.clear()
+        for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"):
+            wrap(medusa_mini, name, name)
+        wrap(HeadStack, "__call__", "heads in decoding")
+        try:
+            medusa_generate(model, prompt, n_new, choices)
+        finally:
+            for (owner, name), fn in originals.items():
+                setattr(owner, name, fn)
+        return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
     # Ideal: the same work, each part alone on the cache of the prompt.
     buffers = tree_cuts(choices, device)[max(tree_cuts(choices, device))]
@@ -474,30 +486,47 @@ def breakdown(model, prompt, choices, n_new=128):
         state.cache.keep(S, nodes)
         state.cache.rollback(S)
         return best, accept, logits[buffers.rows[0][-1]]
+
     def plain_forward():  # one plain decoding step on the same cache, for comparison
         out = model.base(prompt[:, -1:], cache=state.cache)
         state.cache.rollback(S)
         return out
-    plain_alone = median_ms(plain_forward, device)
-    ideal = {"tree forward": median_ms(tree_pass, device),
-             "heads": median_ms(lambda: state.heads(h[0], buffers.depth), device),
-             "bookkeeping": median_ms(bookkeeping, device)}
-    ideal_step = sum(ideal.values())
-    print(f"plain step {plain * 1e3:.2f} ms in real decoding; Medusa step {step * 1e3:.2f} ms ({step / plain:.2f}x) "
+    ideal_parts = {"tree forward": tree_pass, "heads": lambda: state.heads(h[0], buffers.depth),
+                   "bookkeeping": bookkeeping}
+
+    medusa_generate(model, prompt, n_new, choices)  # warm-up
+    per_round = []
+    for _ in range(rounds):
+        plain = timed(lambda: generate(model, prompt, n_new), device)[0] / n_new * 1e3
+        seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), device)
+        row = {"plain": plain, "step": seconds / stats.steps * 1e3, "plain alone": median_ms(plain_forward, device, 25)}
+        row.update(phases())
+        row.update({name: median_ms(fn, device, 25) for name, fn in ideal_parts.items()})
+        row["ideal step"] = sum(row[name] for name in ideal_parts)
+        row["ratio"] = row["step"] / row["ideal step"]
+        per_round.append(row)
+    med = {key: statistics.median(row[key] for row in per_round) for key in per_round[0]}
+    plain, step = med["plain"], med["step"]
+
+    print(f"{rounds} rounds, each: a plain generation, a Medusa generation, one with its phases timed, "
+          f"and each ideal part alone (medians of 25); medians over the rounds")
+    print(f"plain step {plain:.2f} ms in real decoding; Medusa step {step:.2f} ms ({step / plain:.2f}x) "
           f"with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
-    print("\nactual: each phase inside real decoding (medians)")
-    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "heads"):
-        label = "  of which the heads" if name == "heads" else name
-        print(f"  {label:24s} {actual[name]:7.3f} ms ({actual[name] / (plain * 1e3):.2f}x a plain step)")
-    print(f"\nideal: each part alone on the same cache, warm (medians of 200)")
-    for name, ms in ideal.items():
-        print(f"  {name:24s} {ms:7.3f} ms ({ms / (plain * 1e3):.2f}x a plain step)")
-    print(f"  {'ideal step':24s} {ideal_step:7.3f} ms ({ideal_step / (plain * 1e3):.2f}x a plain step)")
-    print(f"  {'(a plain step alone)':24s} {plain_alone:7.3f} ms")
-    print(f"\nactual step / ideal step = {step * 1e3 / ideal_step:.2f}")
-    return {"plain_step_ms": plain * 1e3, "step_ms": step * 1e3, "tokens_per_step": stats.tokens_per_step,
-            "actual_ms": actual, "ideal_ms": ideal, "ideal_step_ms": ideal_step,
-            "plain_alone_ms": plain_alone, "actual_over_ideal": step * 1e3 / ideal_step}
+    print("\nactual: each phase inside real decoding")
+    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "heads in decoding"):
+        label = "  of which the heads" if name == "heads in decoding" else name
+        print(f"  {label:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
+    print("\nideal: each part alone on the same cache, warm")
+    for name in list(ideal_parts) + ["ideal step"]:
+        print(f"  {name:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
+    print(f"  {'(a plain step alone)':24s} {med['plain alone']:7.3f} ms")
+    ratios = sorted(row["ratio"] for row in per_round)
+    print(f"\nactual step / ideal step = {med['ratio']:.2f} (rounds from {ratios[0]:.2f} to {ratios[-1]:.2f})")
+    return {"plain_step_ms": plain, "step_ms": step, "tokens_per_step": stats.tokens_per_step,
+            "actual_ms": {name: med[name] for name in ("generate_candidates", "tree_decoding", "evaluate_posterior",
+                                                       "update_inputs", "heads in decoding")},
+            "ideal_ms": {name: med[name] for name in ideal_parts}, "ideal_step_ms": med["ideal step"],
+            "plain_alone_ms": med["plain alone"], "actual_over_ideal": med["ratio"], "rounds": per_round}
 
 
 def main(argv=None):
@@ -530,7 +559,10 @@ def main(argv=None):
         return breakdown(model, prompt, tree, args.report_tokens)
     order = [tuple(p) for p in ckpt["grown_order"]]
     args.threads = a.threads
-    report = run_report(model, enc, val_ids, tree, order, ckpt["accuracies"], ckpt["step_costs"], args)
+    sampling_tree = ckpt.get("sampling_tree")  # absent in runs from before sampling trees
+    sampling_tree = None if sampling_tree is None else [tuple(p) for p in sampling_tree]
+    report = run_report(model, enc, val_ids, tree, order, ckpt["accuracies"], ckpt["step_costs"], args,
+                        sampling_tree=sampling_tree)
     write_report(report, a.out)
 
 

@@ -67,6 +67,16 @@ def native_bf16(device) -> bool:
     return device.type == "cpu" and cpu_has_native_bf16()
 
 
+def draft_cheaply(model, device):
+    """Let decoding draft in bfloat16 on a CPU with bf16 instructions (model.draft_dtype): the heads'
+    weights are then half the bytes to read each step, which is what they cost there. Verification by
+    the fp32 base keeps the output exact whatever the drafts are. On a 2-core EPYC the cpu preset's
+    greedy Medusa against plain decoding went from 1.04x to 1.17x at 1 thread, 1.42x to 1.49x at 2
+    (README). A GPU at batch 1 waits on launches, not bytes: there the cast would be one launch more."""
+    model.draft_dtype = torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_native_bf16() else None
+    return model
+
+
 def sync(device):
     """Wait for the GPU's queued work, so a timer reads the work and not only its launch."""
     device = torch.device(device)
@@ -139,7 +149,7 @@ def load_medusa(path, device="cpu"):
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, RuntimeError) as e:  # a foreign or damaged state dict
         raise ValueError(f"{path} does not hold a medusa-mini model ({type(e).__name__}: {e})") from None
-    return model.to(device).eval(), ckpt
+    return draft_cheaply(model.to(device).eval(), device), ckpt
 
 
 def run_args(preset, out, **settings):

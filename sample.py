@@ -60,7 +60,8 @@ def main():
     if room < 1:
         raise ValueError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
     n = min(args.tokens, room)
-    tree = [tuple(path) for path in ckpt["tree"]]
+    exact = args.temperature > 0 and args.sampling == "exact"  # the tree grown for sampling, where there is one
+    tree = [tuple(path) for path in ckpt["sampling_tree" if exact and "sampling_tree" in ckpt else "tree"]]
 
     if args.compare:  # warm up both paths once, so neither timing pays first-call costs
         generate(model, idx, min(n, 4))

@@ -27,7 +27,7 @@ from tqdm import tqdm
 import benchmark
 import data
 import smollm
-from common import native_bf16, read_checkpoint, save_checkpoint, sync
+from common import draft_cheaply, native_bf16, read_checkpoint, save_checkpoint, sync
 from medusa_mini import HeadStack, KVCache, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
@@ -265,8 +265,7 @@ def load_medusa_smollm2(path, block_size=BLOCK_SIZE, device="cpu"):
     except (KeyError, TypeError, RuntimeError) as e:  # another kind of checkpoint, or heads of another shape
         raise ValueError(f"{path} does not hold SmolLM2 heads ({type(e).__name__}: {str(e).splitlines()[0]}); "
                          f"run `python train_heads.py --base smollm2` again") from None
-    model.draft_dtype = torch.bfloat16 if native_bf16(device) else None
-    model = model.to(device).eval()
+    model = draft_cheaply(model.to(device).eval(), device)
     vocab = ckpt.get("draft_vocab")  # token ids the heads were trained on (absent: the whole vocabulary)
     model.draft_vocab = None if vocab is None else vocab.to(device)
     return model, ckpt

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import benchmark
-from common import (PRESETS, cpu_has_native_bf16, file_digest, load_checkpoint, load_medusa, load_tokenizer, pick_device,
-                    prepare_data, random_prompts, read_checkpoint, save_checkpoint, sync, windows)
+from common import (PRESETS, cpu_has_native_bf16, draft_cheaply, file_digest, load_checkpoint, load_medusa,
+                    load_tokenizer, pick_device, prepare_data, random_prompts, read_checkpoint, save_checkpoint, sync, windows)
 from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
 from tree import expected_tokens_per_step, grow_tree
 
@@ -312,16 +312,17 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
     return model.eval(), metrics
 
 
-JOINT_HEADS_WEIGHT = 0.2  # lambda_0 and the heads' 4x lr: the Medusa authors' stage-2 training config
-JOINT_HEADS_LR_MULT = 4.0  # (axolotl examples/medusa/vicuna_7b_qlora_stage2.yml: medusa_heads_coefficient 0.2,
-#                            medusa_lr_multiplier 4.0)
+JOINT_HEADS_WEIGHT = 0.2    # lambda_0, as in the Medusa authors' stage-2 config (axolotl
+#                             examples/medusa/vicuna_7b_qlora_stage2.yml: medusa_heads_coefficient 0.2)
+JOINT_HEADS_LR_MULT = 300.0  # heads' lr over the backbone's. The authors use 4 on a 7B model; measured here
+#                             (README), 4-20 moved this 3.7M backbone enough to cost the heads accuracy
 
 
 def train_joint(args, model, text, val_ids, device, val_before):
     """Medusa-2, self-distilled: backbone and heads together on the model's own text, after the
     heads-only stage (the warm-up). The base loss is KL(original || model) to a frozen copy of the
-    original base, so the model keeps its distribution; plus 0.2 x the Medusa-1 loss, heads at 4x
-    the backbone's lr. Returns base val loss and head top-1 on greedy text, before and after."""
+    original base, so the model keeps its distribution; plus 0.2 x the Medusa-1 loss, heads at half
+    the Medusa-1 lr, the backbone at 1/300 of that. Returns base val loss and head top-1 on greedy text, before and after."""
     original = copy.deepcopy(model.base).eval().requires_grad_(False)
     prompts = random_prompts(val_ids, args.eval_prompts, EVAL_PROMPT, args.seed + 4, device)
     top1_before = [a[0] for a in measure_head_accuracies(model, prompts, EVAL_NEW, ranks=1)]
@@ -345,10 +346,10 @@ def train_joint(args, model, text, val_ids, device, val_before):
         print("Medusa-2 is not resumable: run again to train the heads and Medusa-2 anew")
 
     t0 = time.time()
-    # The heads go on at the lr Medusa-1 ended on (a tenth of head_lr), the backbone at a quarter of that:
-    # measured on the cpu preset, backbone lr base_lr / 10 raised the base loss by 0.015 and lowered head top-1 more.
+    # Measured on the cpu preset (README): heads at head_lr / 2 with the backbone at 1/300 of that (3e-6) raised
+    # head top-1 on greedy text by 0.06; a backbone at 1e-5 by 0.02, at 5e-5 lowered it by 0.03, frozen raised it 0.01.
     history, _ = train_loop("joint", [(list(model.base.parameters()), 1.0), (head_params, JOINT_HEADS_LR_MULT)],
-                            loss_fn, args.joint_steps, args.head_lr * 0.1 / JOINT_HEADS_LR_MULT, save)
+                            loss_fn, args.joint_steps, args.head_lr / 2 / JOINT_HEADS_LR_MULT, save)
     seconds = time.time() - t0
     model.eval()
     after = estimate_loss(model.base, val_ids, args, device)
@@ -363,14 +364,18 @@ def train_joint(args, model, text, val_ids, device, val_before):
 # ---------------------------------------------------------------------------------------- tree
 
 EVAL_PROMPT, EVAL_NEW = 32, 64  # held-out prompt and greedy continuation the head accuracies are read on
+SAMPLE_T = 0.7                   # the temperature the sampling tree is grown for, as in the report
 
 
 @torch.no_grad()
-def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks):
+def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks, temperature=0.0):
     """docs/medusa.md section 4: during greedy decoding, how often is head k's rank-i guess the token
     actually produced k+1 steps later? Greedy text is generated, then one forward reads every h_t
-    that decoding would have seen. Returns a[k][i] (K x ranks)."""
-    seq = generate(model.base, prompts, n_new)                           # (B, S+n)
+    that decoding would have seen. Returns a[k][i] (K x ranks).
+    With temperature > 0 the text is sampled at that temperature (from torch's global generator):
+    then a[k][i] is how often exact sampling would accept a node of head k at rank i, since the walk
+    accepts a node exactly when the drawn token is the node's."""
+    seq = generate(model.base, prompts, n_new, temperature)              # (B, S+n)
     _, head_logits = model(seq)                                          # (K, B, S+n, V)
     S, K = prompts.size(1), head_logits.size(0)
     acc = []
@@ -555,6 +560,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     base, base_metrics = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
     model, head_metrics_ = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, args.device)
+    draft_cheaply(model, args.device)  # decoding drafts in bf16 where it is native
 
     eval_prompts = random_prompts(val_ids, args.eval_prompts, EVAL_PROMPT, args.seed + 4, args.device)
     accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth)
@@ -564,13 +570,23 @@ def main(argv=None):
     print(f"tree: {len(chosen)} nodes chosen for {args.device}, {threads} thread{'s' * (threads != 1)} (expected "
           f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
           f"{costs[threads]['relative'][len(chosen)]:.2f}x the cost of a plain step)")
+    # Exact sampling accepts a node only when the drawn token is its token: a tree for it grows from
+    # accuracies on sampled text (wider, shallower), sized with the same step costs (by node count).
+    torch.manual_seed(args.seed + 6)
+    sampled_accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth, SAMPLE_T)
+    sampling_order = grow_tree(sampled_accuracies, args.max_tree)
+    sampling_tree, _ = benchmark.choose_tree(sampling_order, sampled_accuracies, costs)
+    print(f"sampling tree: {len(sampling_tree)} nodes for exact sampling at T={SAMPLE_T} (expected "
+          f"{expected_tokens_per_step(sampling_tree, sampled_accuracies):.2f} tokens/step)")
     ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"), device=args.device)
     ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
-                step_costs=costs)
+                step_costs=costs, sampling_tree=[list(p) for p in sampling_tree],
+                sampling_order=[list(p) for p in sampling_order], sampled_accuracies=sampled_accuracies)
     save_checkpoint(os.path.join(args.out, "heads.pt"), **ckpt)
 
     report = benchmark.run_report(model, enc, val_ids, chosen, order, accuracies, costs, args,
-                                  training={"base": base_metrics, "heads": head_metrics_})
+                                  training={"base": base_metrics, "heads": head_metrics_},
+                                  sampling_tree=sampling_tree)
     report["total_seconds"] = time.time() - t0
     benchmark.write_report(report, args.out)
     return report

@@ -41,6 +41,11 @@ class TreeBuffers:
         return torch.where(self.padding, 1 + self.depth * self.topk, self.token_index[self.gather_index])
 
     @functools.cached_property
+    def read_index(self) -> torch.Tensor:
+        """(N + P*L,): token_index, then candidate_index row by row, so that one gather reads both."""
+        return torch.cat([self.token_index, self.candidate_index.flatten()])
+
+    @functools.cached_property
     def pad_token(self) -> torch.Tensor:
         """(1,) the -1 that padded candidate slots read."""
         return torch.full((1,), -1, dtype=torch.long, device=self.token_index.device)
@@ -170,8 +175,10 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
         root = base_logits.argmax(-1)
     guesses = head_logits[:buffers.depth].topk(buffers.topk, dim=-1).indices  # (K, V) -> (D, topk)
     flat = torch.cat([root.view(1), guesses.flatten(), buffers.pad_token])   # (1 + D*topk + 1,): the last is -1
-    tree_tokens = flat[buffers.token_index]                                   # (N,)
-    candidates = flat[buffers.candidate_index]                                # (P, L): padded slots read the -1
+    tokens = flat[buffers.read_index]                                         # (N + P*L,): nodes and paths, one gather
+    N = len(buffers.node_paths)
+    tree_tokens = tokens[:N]                                                  # (N,): flat[token_index]
+    candidates = tokens[N:].view(buffers.retrieve_indices.shape)              # (P, L): flat[candidate_index], padding -1
     return tree_tokens, candidates
 
 

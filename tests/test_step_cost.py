@@ -27,11 +27,11 @@ def test_greedy_and_typical_steps_read_the_device_once(kwargs):
 def test_a_step_launches_few_ops_more_than_a_plain_token():
     """Kernel-launching ops per Medusa step over ops per plain token, for a 4-layer model (the cpu
     preset's depth; op counts do not depend on width) and a 4-deep tree. These heads agree with the
-    base, so every step accepts a whole path and moves its cache entries (2 ops): 72 ops per step
-    against 55 per plain token, 1.31 when this test was written. On trained heads, whose accepted
-    nodes often already sit in place, the report measures about 1.30 (target 1.3). Candidates padded
-    by masked_fill, keys and values moved apart or positions added each step would each cost an op
-    more; a step rebuilt per call or a head loop would put it near 1.6."""
+    base, so every step accepts a whole path and moves its cache entries (2 ops): 70.8 ops per step
+    against 55 per plain token, 1.29 when this test was written (the target is 1.3). Candidates
+    padded by masked_fill or gathered twice, keys and values moved apart or positions added each step
+    would each cost an op more and fail it; a step rebuilt per call or a head loop would put it near 1.6.
+    Counted as a GPU decodes: a model set to draft in bf16 (on CPUs) is counted drafting in fp32."""
     torch.manual_seed(0)
     model = random_medusa(n_layer=4, block_size=128)
     with torch.no_grad():  # heads that agree with the base, so every step accepts and moves its cache
@@ -39,7 +39,10 @@ def test_a_step_launches_few_ops_more_than_a_plain_token():
             head.residual.weight.zero_()
     ops = count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)
     assert ops["tokens_per_step"] > 2
-    assert ops["ops_ratio"] <= 1.32, ops
+    assert ops["ops_ratio"] <= 1.30, ops
+    model.draft_dtype = torch.bfloat16
+    assert count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)["ops_ratio"] == ops["ops_ratio"]
+    assert model.draft_dtype == torch.bfloat16  # restored after counting
 
 
 def test_the_counter_sees_host_reads_and_skips_views():
