@@ -12,6 +12,7 @@ import common
 import train_heads
 from conftest import PERIOD
 from medusa_mini import GPT, GPTConfig, KVCache
+from tree import validate_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +35,22 @@ def test_tiny_preset_writes_the_report(tiny_run):
     assert report["tokens_per_step"] >= 1.0
     assert len(list(out.glob("*.png"))) >= 2
     assert "| mode |" in (out / "report.md").read_text()
+
+
+def test_a_tree_is_grown_for_exact_sampling(tiny_run):
+    """heads.pt holds a tree for exact sampling: a prefix of the order grown from accuracies read on
+    sampled text (not the greedy ones); the report measures exact sampling on it, and
+    sample.py --sampling exact decodes with it."""
+    out, report = tiny_run
+    ckpt = torch.load(out / "heads.pt", weights_only=True)
+    tree = [tuple(p) for p in ckpt["sampling_tree"]]
+    assert validate_choices(tree) and tree == [tuple(p) for p in ckpt["sampling_order"]][:len(tree)]
+    assert ckpt["sampled_accuracies"] != ckpt["accuracies"]
+    assert f"medusa exact T=0.7, sampling tree ({len(tree)} nodes)" in report["modes"]
+    result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--tokens", "12", "--temperature", "0.7",
+                             "--sampling", "exact"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(tree)}-node tree" in result.stdout
 
 
 def test_medusa1_leaves_backbone_and_lm_head_unchanged(tiny_run):
