@@ -50,8 +50,10 @@ class KVCache:
                  capacity: int | None = None):
         capacity = capacity or config.block_size + extra
         shape = (2, config.n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # keys and values in one tensor, so that
-        self.k, self.v = self.kv[0], self.kv[1]                   # keep() moves both at once; views (n_layer, B, n_kv, capacity, hs)
+        # Keys and values in one tensor, so that keep() moves both at once; k and v are its two halves,
+        # views of shape (n_layer, B, n_kv, capacity, hs).
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # (2, n_layer, B, n_kv, capacity, hs)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.length = 0  # committed entries
 
     def append(self, layer: int, k, v):
@@ -246,8 +248,9 @@ class HeadStack:
         rows = slice(None) if vocab is None else vocab
         self.w1 = torch.stack([head.residual.weight for head in heads]).to(dtype)           # (K, C, C)
         self.b1 = torch.stack([head.residual.bias for head in heads]).unsqueeze(1).to(dtype)  # (K, 1, C)
-        self.w2 = None if model.share_lm_head else torch.stack([head.proj.weight[rows] for head in heads]).to(dtype)  # (K, V', C)
-        self.lm_head = model.base.lm_head.weight[rows].to(dtype)                           # (V', C): a copy only if it differs
+        self.w2 = None if model.share_lm_head else \
+            torch.stack([head.proj.weight[rows] for head in heads]).to(dtype)               # (K, V', C)
+        self.lm_head = model.base.lm_head.weight[rows].to(dtype)  # (V', C): a copy only if rows or dtype differ
         self.vocab, self.V = vocab, model.base.config.vocab_size
 
     def __call__(self, h, num_heads: int):
@@ -380,8 +383,9 @@ def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: 
     past block_size."""
     S, block = cache.length, model.base.config.block_size
     if S + buffers.depth >= block:
-        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: cut the tree")
-    position_ids = buffers.positions(block)[S]                              # (N,): S + depth, a row of a table made once
+        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: "
+                         f"cut the tree")
+    position_ids = buffers.positions(block)[S]                              # (N,): S + depth, a row of a table
     h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
     return h, model.base.lm_head(h)
 
@@ -473,7 +477,7 @@ def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, 
     last = kept[-1]
     state.buffer[0, S:S + accept + 1] = candidates[best, :accept + 1]
     state.tokens = state.buffer[:, :S + accept + 1]                 # (1, S+a+1)
-    if kept == list(range(accept + 1)):  # nodes 0 .. accept already sit in slots S .. S+accept (the root alone always does)
+    if kept == list(range(accept + 1)):  # nodes 0..accept already sit in slots S..S+accept (the root alone always does)
         state.cache.rollback(S + accept + 1)
     else:
         state.cache.keep(S, nodes)

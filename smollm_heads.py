@@ -278,7 +278,7 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
     torch.manual_seed(seed)
-    fast = native_bf16("cpu")  # bf16 products are native here: bf16 writes the training text and drafts
+    fast = native_bf16("cpu")  # bf16 products are native here: a bf16 copy writes the training text
     reader = smollm.read_gguf()
     base, enc = smollm.load_smollm2(BLOCK_SIZE, reader), smollm.load_tokenizer(reader)
     model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
@@ -314,7 +314,7 @@ def run(train_loop, out="out/smollm2", threads=None, seed=0, steps=400, report_p
     # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, its rows for the
     # V' trained tokens a fraction of them, and verification by the fp32 base keeps the output exact
     # (measured below: draft_costs).
-    model.draft_dtype = torch.bfloat16 if fast else None
+    draft_cheaply(model, "cpu")
     model.draft_vocab = vocab
     order = grow_tree(accuracies, 64)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // report_prompts)]]

@@ -54,7 +54,8 @@ class TreeBuffers:
         """(block_size, N): row S holds S + depth, the nodes' position ids after S committed tokens.
         Made on first use and kept, so a decoding step takes a row (a view) instead of adding S."""
         if block_size not in self._positions:
-            self._positions[block_size] = torch.arange(block_size, device=self.position_ids.device)[:, None] + self.position_ids
+            S = torch.arange(block_size, device=self.position_ids.device)
+            self._positions[block_size] = S[:, None] + self.position_ids  # (block_size, 1) + (N,) -> (block_size, N)
         return self._positions[block_size]
 
     def to(self, device):
@@ -178,7 +179,7 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
     tokens = flat[buffers.read_index]                                         # (N + P*L,): nodes and paths, one gather
     N = len(buffers.node_paths)
     tree_tokens = tokens[:N]                                                  # (N,): flat[token_index]
-    candidates = tokens[N:].view(buffers.retrieve_indices.shape)              # (P, L): flat[candidate_index], padding -1
+    candidates = tokens[N:].view(buffers.retrieve_indices.shape)              # (P*L,) -> (P, L), padding -1
     return tree_tokens, candidates
 
 
