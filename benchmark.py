@@ -430,16 +430,21 @@ def median_ms(fn, device, repeats=200):
     return statistics.median(timed(fn, device)[0] for _ in range(repeats)) * 1e3
 
 
+PHASES = ["generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"]  # medusa_step's four
+
+
 @torch.no_grad()
 def breakdown(model, prompt, choices, n_new=128, rounds=9):
     """Where a Medusa step's time goes, actual against ideal.
 
-    Actual: whole generations (time per step), and each phase timed inside real decoding. Ideal: on
-    the same cache, the tree forward alone, the heads alone and the bookkeeping (candidates,
-    acceptance, cache and token updates) alone, each warm and in isolation. The two are measured in
-    alternating rounds, so that a machine whose speed drifts (a shared VM's does, by tens of percent
-    within a minute) slows both alike: medians over rounds, and the ratio is the median of the
-    rounds' ratios. Returns the figures; prints the table."""
+    Actual: the steps of real decoding (mean time inside medusa_step), whole generations (their time
+    per step, which also spreads the prompt's prefill over the steps), and each phase timed inside
+    real decoding (means over the steps). Ideal: on the same cache, the tree forward alone, the
+    heads alone and the bookkeeping (candidates, acceptance, cache and token updates) alone, each
+    warm and in isolation (medians of 25). The two are measured in alternating rounds, so that a
+    machine whose speed drifts (a shared VM's does, by tens of percent within a minute) slows both
+    alike: medians over rounds, and a ratio is the median of the rounds' ratios. Returns the
+    figures; prints the table."""
     import medusa_mini
     device = prompt.device
     times, originals = {}, {}
@@ -453,17 +458,17 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
             return result
         setattr(owner, name, timed_fn)
 
-    def phases():  # one generation, each phase timed inside it: {phase: median ms}
+    def timed_inside(names):  # one generation, the named functions timed inside it: {name: mean ms}
         times.clear()
-        for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs"):
-            wrap(medusa_mini, name, name)
-        wrap(HeadStack, "__call__", "heads in decoding")
+        for name in names:
+            owner, attr = (HeadStack, "__call__") if name == "heads in decoding" else (medusa_mini, name)
+            wrap(owner, attr, name)
         try:
-            medusa_generate(model, prompt, n_new, choices)
+            seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), device)
         finally:
-            for (owner, name), fn in originals.items():
-                setattr(owner, name, fn)
-        return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+            for (owner, attr), fn in originals.items():
+                setattr(owner, attr, fn)
+        return {name: statistics.fmean(v) * 1e3 for name, v in times.items()}, seconds / stats.steps * 1e3, stats
 
     # Ideal: the same work, each part alone on the cache of the prompt.
     buffers = tree_cuts(choices, device)[max(tree_cuts(choices, device))]
@@ -498,12 +503,14 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
     per_round = []
     for _ in range(rounds):
         plain = timed(lambda: generate(model, prompt, n_new), device)[0] / n_new * 1e3
-        seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), device)
-        row = {"plain": plain, "step": seconds / stats.steps * 1e3, "plain alone": median_ms(plain_forward, device, 25)}
-        row.update(phases())
+        row, generation, stats = timed_inside(["medusa_step"])
+        row.update({"plain": plain, "step": row.pop("medusa_step"), "generation per step": generation,
+                    "plain alone": median_ms(plain_forward, device, 25)})
+        row.update(timed_inside(PHASES + ["heads in decoding"])[0])
         row.update({name: median_ms(fn, device, 25) for name, fn in ideal_parts.items()})
         row["ideal step"] = sum(row[name] for name in ideal_parts)
         row["ratio"] = row["step"] / row["ideal step"]
+        row["generation ratio"] = row["generation per step"] / row["ideal step"]
         per_round.append(row)
     med = {key: statistics.median(row[key] for row in per_round) for key in per_round[0]}
     plain, step = med["plain"], med["step"]
@@ -512,8 +519,10 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
           f"and each ideal part alone (medians of 25); medians over the rounds")
     print(f"plain step {plain:.2f} ms in real decoding; Medusa step {step:.2f} ms ({step / plain:.2f}x) "
           f"with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
-    print("\nactual: each phase inside real decoding")
-    for name in ("generate_candidates", "tree_decoding", "evaluate_posterior", "update_inputs", "heads in decoding"):
+    print(f"(whole generations: {med['generation per step']:.2f} ms per Medusa step, the prompt's prefill "
+          f"spread over the steps; plain decoding's {plain:.2f} ms per token includes its prefill too)")
+    print("\nactual: each phase inside real decoding, mean over the steps")
+    for name in PHASES + ["heads in decoding"]:
         label = "  of which the heads" if name == "heads in decoding" else name
         print(f"  {label:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
     print("\nideal: each part alone on the same cache, warm")
@@ -521,12 +530,14 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
         print(f"  {name:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
     print(f"  {'(a plain step alone)':24s} {med['plain alone']:7.3f} ms")
     ratios = sorted(row["ratio"] for row in per_round)
-    print(f"\nactual step / ideal step = {med['ratio']:.2f} (rounds from {ratios[0]:.2f} to {ratios[-1]:.2f})")
-    return {"plain_step_ms": plain, "step_ms": step, "tokens_per_step": stats.tokens_per_step,
-            "actual_ms": {name: med[name] for name in ("generate_candidates", "tree_decoding", "evaluate_posterior",
-                                                       "update_inputs", "heads in decoding")},
+    print(f"\nactual step / ideal step = {med['ratio']:.2f} (rounds from {ratios[0]:.2f} to {ratios[-1]:.2f}); "
+          f"whole generations per step / ideal step = {med['generation ratio']:.2f}")
+    return {"plain_step_ms": plain, "step_ms": step, "generation_ms_per_step": med["generation per step"],
+            "tokens_per_step": stats.tokens_per_step,
+            "actual_ms": {name: med[name] for name in PHASES + ["heads in decoding"]},
             "ideal_ms": {name: med[name] for name in ideal_parts}, "ideal_step_ms": med["ideal step"],
-            "plain_alone_ms": med["plain alone"], "actual_over_ideal": med["ratio"], "rounds": per_round}
+            "plain_alone_ms": med["plain alone"], "actual_over_ideal": med["ratio"],
+            "generation_over_ideal": med["generation ratio"], "rounds": per_round}
 
 
 def main(argv=None):

@@ -196,3 +196,31 @@ def test_passage_prompts_have_the_asked_length(smol):
     for task in smollm_heads.TASKS:
         prompt = smollm_heads.passage_prompt(enc, task, text, 80)
         assert prompt is None or len(smollm.chat_tokens(enc, prompt)) == 80
+
+
+def test_saved_heads_load_back(smol, tmp_path):
+    """load_medusa_smollm2 rebuilds what run() saves: the heads and the drafting vocabulary; heads of
+    another model, and a corrupt file, are refused in one line."""
+    import smollm_heads
+    from common import save_checkpoint
+    from conftest import tiny_config
+    from medusa_mini import GPT
+    model, _, _ = smol
+    torch.manual_seed(0)
+    medusa = MedusaModel(model, num_heads=2, share_lm_head=True)
+    with torch.no_grad():
+        for head in medusa.heads:
+            head.residual.weight.normal_(0, 0.02)
+    vocab = torch.tensor([5, 17, 300])
+    path = tmp_path / "heads.pt"
+    save_checkpoint(path, heads=medusa.heads.state_dict(), num_heads=2, draft_vocab=vocab)
+    loaded, _ = smollm_heads.load_medusa_smollm2(path)
+    for (name, saved), restored in zip(medusa.heads.state_dict().items(), loaded.heads.state_dict().values()):
+        assert torch.equal(saved, restored), name
+    assert torch.equal(loaded.draft_vocab, vocab)
+    save_checkpoint(path, heads=MedusaModel(GPT(tiny_config()), num_heads=2).heads.state_dict(), num_heads=2)
+    with pytest.raises(ValueError, match="does not hold SmolLM2 heads"):
+        smollm_heads.load_medusa_smollm2(path)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
+        smollm_heads.load_medusa_smollm2(path)
