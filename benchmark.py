@@ -458,16 +458,16 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
             return result
         setattr(owner, name, timed_fn)
 
-    def timed_inside(names):  # one generation, the named functions timed inside it: {name: mean ms}
-        times.clear()
-        for name in names:
-            owner, attr = (HeadStack, "__call__") if name == "heads in decoding" else (medusa_mini, name)
-            wrap(owner, attr, name)
+    def timed_inside(targets):  # one generation, each (owner, attribute, label) timed inside it
+        times.clear()           # -> ({label: mean ms per call}, ms per step of the generation, its stats)
+        for owner, attr, label in targets:
+            wrap(owner, attr, label)
         try:
             seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), device)
         finally:
             for (owner, attr), fn in originals.items():
                 setattr(owner, attr, fn)
+            originals.clear()
         return {name: statistics.fmean(v) * 1e3 for name, v in times.items()}, seconds / stats.steps * 1e3, stats
 
     # Ideal: the same work, each part alone on the cache of the prompt.
@@ -503,10 +503,10 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
     per_round = []
     for _ in range(rounds):
         plain = timed(lambda: generate(model, prompt, n_new), device)[0] / n_new * 1e3
-        row, generation, stats = timed_inside(["medusa_step"])
-        row.update({"plain": plain, "step": row.pop("medusa_step"), "generation per step": generation,
-                    "plain alone": median_ms(plain_forward, device, 25)})
-        row.update(timed_inside(PHASES + ["heads in decoding"])[0])
+        row, generation, stats = timed_inside([(medusa_mini, "medusa_step", "step")])
+        row.update({"plain": plain, "generation per step": generation, "plain alone": median_ms(plain_forward, device, 25)})
+        row.update(timed_inside([(medusa_mini, name, name) for name in PHASES]
+                                + [(HeadStack, "__call__", "heads in decoding")])[0])
         row.update({name: median_ms(fn, device, 25) for name, fn in ideal_parts.items()})
         row["ideal step"] = sum(row[name] for name in ideal_parts)
         row["ratio"] = row["step"] / row["ideal step"]
