@@ -3,6 +3,7 @@
     python benchmark.py --out out                  # re-run the report on a trained out/heads.pt
     python benchmark.py --out out --breakdown      # where a step's time goes, ideal against actual
     python benchmark.py --out out --ops            # kernel-launching ops per step: the GPU proxy
+    python benchmark.py --out out --ceiling        # exact sampling: our heads against the best any heads could do
 
 Every figure is a median over interleaved repeats: on a small shared machine, timings drift, and
 running the sides one after the other would hand the drift to one of them. Each side runs at every
@@ -24,7 +25,7 @@ import common
 from common import random_prompts, sync
 from medusa_mini import (HeadStack, evaluate_posterior, generate, generate_candidates, medusa_generate, prefill,
                          tree_decoding)
-from tree import dense_tree, expected_tokens_per_step, gather_paths, tree_cuts
+from tree import dense_tree, expected_tokens_per_step, gather_paths, grow_tree, tree_cuts
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
 
@@ -540,6 +541,66 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
             "generation_over_ideal": med["generation ratio"], "rounds": per_round}
 
 
+def accepted_depth(ranks, tree):
+    """How deep a sample goes into the tree: ranks[k] is the rank of its token k+1 after the root in
+    head k+1's list (-1: not in it); the tree is a set of rank paths, prefix-closed."""
+    d = 0
+    while d < len(ranks) and tuple(ranks[:d + 1]) in tree:
+        d += 1
+    return d
+
+
+@torch.no_grad()
+def exact_sampling_ceiling(model, prompts, temperature, sizes, new_tokens=96, every=4, draws=384, ranked=256, ranks=10):
+    """Exact sampling's tokens/step with our heads' proposals, and with the best proposals any heads could make.
+
+    The tree walk is lossless, so a step commits the root and then the longest prefix of a sample from
+    the model that the tree holds: tokens/step can be measured by sampling, without decoding. At every
+    `every`-th position of a sample of new_tokens from each prompt, `draws` continuations of the root
+    and len(model.heads) tokens are drawn. The first `ranked` rank the tokens at each offset by how
+    often they were drawn: the model's own distribution of the tokens after the root, the most a head
+    can know (it guesses before the root is drawn): the ceiling. Both sets of proposals are scored on
+    the other draws, each on trees grown from its own accuracies on the ranked draws.
+    Returns {"heads": {size: tokens/step}, "ceiling": {size: tokens/step}, "positions": count}."""
+    D, V = len(model.heads), model.base.config.vocab_size
+    lists = {"heads": [], "ceiling": []}       # per position: (D, ranks) token ids, rank order
+    seen, scored = [], []                      # per position: (ranked, D) and (draws - ranked, D) draws
+    for prompt in prompts:
+        sample = generate(model, prompt.view(1, -1), new_tokens, temperature)[0]
+        last = min(sample.numel(), model.base.config.block_size - D - 1)  # the draws must fit in the context
+        for t in range(prompt.numel(), last + 1, every):
+            context = sample[None, :t]                                                   # (1, t)
+            h = model.base.hidden(context)[0, -1]                                        # (C,)
+            lists["heads"].append(model.head_logits(h).topk(ranks, -1).indices)          # (D, ranks)
+            after_root = generate(model, context.expand(draws, -1), D + 1, temperature)[:, t + 1:]  # (draws, D)
+            seen.append(after_root[:ranked])
+            scored.append(after_root[ranked:])
+            counts = [torch.bincount(seen[-1][:, k], minlength=V) for k in range(D)]     # D x (V,)
+            lists["ceiling"].append(torch.stack([c.topk(ranks).indices for c in counts]))  # (D, ranks)
+
+    def rank_of(tokens, x):  # tokens (D, ranks), x (N, D) -> (N, D): the rank of x[:, k] in tokens[k], or -1
+        hit = x[:, :, None] == tokens                                                    # (N, D, ranks)
+        return torch.where(hit.any(-1), hit.int().argmax(-1), -1)
+
+    result = {"positions": len(seen)}
+    for name, per_position in lists.items():
+        hits = torch.cat([rank_of(tokens, x)[:, :, None] == torch.arange(ranks, device=x.device)
+                          for tokens, x in zip(per_position, seen)])                    # (N, D, ranks)
+        order = grow_tree(hits.float().mean(0).tolist(), max(sizes))                     # accuracies (D, ranks)
+        rows = torch.cat([rank_of(tokens, x) for tokens, x in zip(per_position, scored)]).tolist()
+        result[name] = {n: statistics.fmean(1 + accepted_depth(r, set(order[:n])) for r in rows) for n in sizes}
+    return result
+
+
+def format_ceiling(ceiling, temperature):
+    sizes = list(ceiling["heads"])
+    lines = [f"exact sampling at T={temperature}, tokens/step on {ceiling['positions']} positions of sampled text",
+             "| proposals | " + " | ".join(f"{n} nodes" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for name, label in (("heads", "our heads"), ("ceiling", "the model's own distribution (the ceiling)")):
+        lines.append(f"| {label} | " + " | ".join(f"{ceiling[name][n]:.2f}" for n in sizes) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Re-run the report on a trained checkpoint (out/heads.pt).")
     p.add_argument("--out", default="out", help="folder holding heads.pt and the tokenizer; the report goes here")
@@ -550,6 +611,8 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="only time the phases of a Medusa step (chosen tree), actual against ideal")
     p.add_argument("--ops", action="store_true", help="only count kernel-launching ops and host reads per step")
+    p.add_argument("--ceiling", action="store_true",
+                   help="only measure exact sampling at T=0.7: our heads against the best proposals any heads could make")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -563,6 +626,10 @@ def main(argv=None):
     args.report_tokens = a.tokens or args.report_tokens
     enc, _, _, val_ids = common.prepare_data(args)
     tree = [tuple(p) for p in ckpt["tree"]]
+    if a.ceiling:  # T = 0.7, as the report's sampled modes
+        torch.manual_seed(args.seed)
+        prompts = random_prompts(val_ids, a.prompts or 10, 32, args.seed + 7, device)
+        return print(format_ceiling(exact_sampling_ceiling(model, prompts, 0.7, [4, 10, 16, 32, 64]), 0.7))
     if a.breakdown or a.ops:
         prompt = random_prompts(val_ids, 1, 32, args.seed + 5, device)
         if a.ops:

@@ -452,3 +452,28 @@ def test_bad_requests_raise_clear_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         medusa_generate(random_medusa(), torch.tensor([[1, 2, 3]]), **args)
+
+
+def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution(periodic_model):
+    """benchmark.exact_sampling_ceiling: on a periodic model, sampling follows the period, so the heads
+    (trained on it) and the ceiling both commit nearly the whole 4-deep chain each step; heads with
+    scrambled residual blocks guess wrong and commit about the root alone, while the ceiling stays."""
+    import copy
+    from benchmark import exact_sampling_ceiling
+    from conftest import PERIOD
+    device = periodic_model.base.lm_head.weight.device
+    prompts = [torch.tensor(PERIOD[:5], device=device), torch.tensor(PERIOD[3:], device=device),
+               torch.tensor((PERIOD * 6)[:52], device=device)]  # 52 + 12 tokens fill the 64-token context
+    torch.manual_seed(0)
+    good = exact_sampling_ceiling(periodic_model, prompts, 0.7, [4], new_tokens=12, every=3, draws=64, ranked=32)
+    # contexts of 5, 8, ..., 17 and 6, 9, ..., 18 tokens: every third, to the end of the sample; then
+    # 52, 55 and 58, where the root and 4 tokens after it still fit in the context
+    assert good["positions"] == 5 + 5 + 3
+    assert good["heads"][4] > 4.5 and good["ceiling"][4] > 4.5, good
+    scrambled = copy.deepcopy(periodic_model)
+    with torch.no_grad():
+        for head in scrambled.heads:
+            head.residual.weight.normal_(0, 3.0, generator=torch.Generator(device=device).manual_seed(1))
+    torch.manual_seed(0)
+    bad = exact_sampling_ceiling(scrambled, prompts, 0.7, [4], new_tokens=12, every=3, draws=64, ranked=32)
+    assert bad["heads"][4] < 2.0 < 4.5 < bad["ceiling"][4], bad
