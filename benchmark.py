@@ -505,7 +505,8 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
     for _ in range(rounds):
         plain = timed(lambda: generate(model, prompt, n_new), device)[0] / n_new * 1e3
         row, generation, stats = timed_inside([(medusa_mini, "medusa_step", "step")])
-        row.update({"plain": plain, "generation per step": generation, "plain alone": median_ms(plain_forward, device, 25)})
+        row.update({"plain": plain, "generation per step": generation,
+                    "plain alone": median_ms(plain_forward, device, 25)})
         row.update(timed_inside([(medusa_mini, name, name) for name in PHASES]
                                 + [(HeadStack, "__call__", "heads in decoding")])[0])
         row.update({name: median_ms(fn, device, 25) for name, fn in ideal_parts.items()})
@@ -552,7 +553,7 @@ def accepted_depth(ranks, tree):
 
 @torch.no_grad()
 def exact_sampling_ceiling(model, prompts, temperature, sizes, new_tokens=96, every=4, draws=384, ranked=256, ranks=10):
-    """Exact sampling's tokens/step with our heads' proposals, and with the best proposals any heads could make.
+    """Exact sampling's tokens/step with our heads' proposals, and with the best any heads could make.
 
     The tree walk is lossless, so a step commits the root and then the longest prefix of a sample from
     the model that the tree holds: tokens/step can be measured by sampling, without decoding. At every
@@ -612,7 +613,7 @@ def main(argv=None):
                    help="only time the phases of a Medusa step (chosen tree), actual against ideal")
     p.add_argument("--ops", action="store_true", help="only count kernel-launching ops and host reads per step")
     p.add_argument("--ceiling", action="store_true",
-                   help="only measure exact sampling at T=0.7: our heads against the best proposals any heads could make")
+                   help="only measure exact sampling at T=0.7: our heads against the best any heads could do")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)

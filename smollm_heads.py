@@ -127,8 +127,9 @@ def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=128):
 
     Returns h (N, L, C) in the base's dtype, y (N, L) and start (N,): h[i, t] is the final hidden
     state at position t of prompt + answer, y[i, t] the token at t+1 (-100, which the loss ignores,
-    after <|im_end|> and in the padding), start[i] the position whose next token is the answer's first. A hook on the final
-    norm keeps what generate() computes anyway: the prompt's states at prefill, then one per token."""
+    after <|im_end|> and in the padding), start[i] the position whose next token is the answer's
+    first. A hook on the final norm keeps what generate() computes anyway: the prompt's states at
+    prefill, then one per token."""
     prompt_ids = [smollm.chat_tokens(enc, p) for p in prompts]
     end = enc.encode_single_token("<|im_end|>")
     L = max(map(len, prompt_ids)) + n_new - 1
