@@ -46,8 +46,9 @@ def pinned_model():
 @pytest.mark.parametrize("mode", list(PINNED))
 def test_outputs_are_token_for_token_those_of_the_commit_before_the_seam(mode):
     kwargs = {} if mode == "greedy" else dict(temperature=0.8, sampling=mode)
+    model = pinned_model()
     torch.manual_seed(7)
-    out, stats = medusa_generate(pinned_model(), torch.tensor([PROMPT]), 40, TREE, **kwargs)
+    out, stats = medusa_generate(model, torch.tensor([PROMPT]), 40, TREE, **kwargs)
     tokens, accepts = PINNED[mode]
     assert out[0, len(PROMPT):].tolist() == tokens, f"{mode}: the tokens changed"
     assert stats.accept_lengths == accepts, f"{mode}: the steps accepted other paths"
