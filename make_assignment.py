@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grade import (UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
+from grading import (UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
                    load_mapping, replace_body)
 
 ROOT = Path(__file__).resolve().parent

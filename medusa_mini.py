@@ -1,21 +1,25 @@
-"""medusa-mini: a small GPT, Medusa heads, and tree-verified decoding (Cai, Dao et al., 2024).
+"""medusa-mini: a small GPT, Medusa heads, and Medusa decoding (Cai, Dao et al., 2024).
 
-Read next to the paper and docs/medusa.md. Shapes: B batch, T new tokens, S committed
-tokens, C = n_embd, nh heads of size hs = C // nh, V vocab, K Medusa heads, N tree nodes,
-P root-to-leaf paths, L = tree depth + 1.
+Read next to the paper and docs/medusa.md. Medusa is the first of three drafters on one verifier
+(verify.py); this file holds the base model, plain decoding (the reference), the heads and Medusa's
+drafter. Shapes: B batch, T new tokens, S committed tokens, C = n_embd, nh heads of size
+hs = C // nh, V vocab, K Medusa heads, N tree nodes, P root-to-leaf paths, L = tree depth + 1.
 """
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tree import TreeBuffers, gather_paths, generate_candidates, tree_cuts
+from tree import generate_candidates, tree_cuts
+from verify import Draft, Drafter, KVCache, cache_mask, check_request, sample_token, speculative_generate
 
 
 # ----------------------------------------------------------------------------------------------
-# The base model: a GPT-2 style decoder whose attention takes an explicit mask, positions and cache
+# The base model: a GPT-2 style decoder whose attention takes an explicit mask, positions and cache.
+# Every base (this GPT, smollm.Llama) answers to the same names, which the drafters use: config
+# (n_embd, n_layer, n_kv_head, head_dim, vocab_size, block_size), embed, run_blocks, hidden, lm_head,
+# new_block and new_norm.
 
 @dataclass
 class GPTConfig:
@@ -33,59 +37,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
-
-
-class KVCache:
-    """Keys and values of every committed token, for every layer.
-
-    Preallocated, not concatenated: rejecting draft tokens is then just "do not advance `length`"
-    (as in gpt-fast), and keeping the accepted tree path is one indexed copy. During a forward
-    each layer writes its T new entries after the `length` committed ones; `advance(T)` then
-    counts them. `extra` slots beyond block_size hold the tree nodes being verified.
-    `capacity` (default block_size + extra) sizes a cache for a known length, e.g. prompt + new tokens.
-    Medusa decoding uses batch 1; a batch of B rows (same length) serves plain sampling.
-    """
-
-    def __init__(self, config: GPTConfig, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1,
-                 capacity: int | None = None):
-        capacity = capacity or config.block_size + extra
-        shape = (2, config.n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
-        # Keys and values in one tensor, so that keep() moves both at once; k and v are its two halves,
-        # views of shape (n_layer, B, n_kv, capacity, hs).
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # (2, n_layer, B, n_kv, capacity, hs)
-        self.k, self.v = self.kv[0], self.kv[1]
-        self.length = 0  # committed entries
-
-    def append(self, layer: int, k, v):
-        """Write new entries after the committed ones; return all keys and values (B, nh, length+T, hs)."""
-        end = self.length + k.size(2)
-        if end > self.k.size(3):
-            raise ValueError(f"KV cache full: {end} entries asked for, capacity {self.k.size(3)}")
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def advance(self, n: int):
-        """Count the n entries the last forward appended as committed."""
-        self.length += n
-
-    def keep(self, start: int, indices):
-        """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start.
-
-        indices: a 1-D integer tensor on the cache's device, ascending, offsets counted from `start`
-        (so 0 is the entry in slot `start`). Every layer, keys and values alike. Afterwards
-        length == start + len(indices); slots from there on are free to be written over."""
-        n = len(indices)
-        # Keys and values of every layer, (2, n_layer, B, n_kv, n, hs): entries start + indices,
-        # gathered, into slots start .. start+n-1
-        self.kv[..., start:start + n, :] = self.kv[..., start:, :][..., indices, :]
-        self.length = start + len(indices)
-
-    def rollback(self, length: int):
-        """Forget every entry after the first `length` (the slots are simply overwritten later).
-
-        Afterwards self.length == length; nothing is erased or copied."""
-        self.length = length
 
 
 class CausalSelfAttention(nn.Module):
@@ -111,9 +62,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, input_norm: bool = True):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.ln_1 = nn.LayerNorm(config.n_embd) if input_norm else nn.Identity()
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
@@ -143,6 +94,22 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def embed(self, idx, position_ids):
+        """The input of the first block: token plus learned position embedding, (B, T) -> (B, T, C).
+        Positions enter here and nowhere else in a GPT (a Llama rotates them into attention instead)."""
+        return self.wte(idx) + self.wpe(position_ids)
+
+    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None):
+        """x (B, T, C) through `blocks` in order (blocks[i] writes layer i of the cache), then the cache
+        counts the T new entries. attn_mask (T, T) as in hidden(). Returns (B, T, C), before any final
+        norm. position_ids are already in x (embed): the GPT's blocks take none."""
+        mask = cache_mask(attn_mask, x.size(1), cache, x.dtype, x.device)   # (T, S+T) or None
+        for layer, block in enumerate(blocks):
+            x = block(x, mask, cache, layer)
+        if cache is not None:
+            cache.advance(x.size(1))
+        return x
+
     def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None):
         """Last hidden states h (B, T, C), after the final layer norm.
 
@@ -151,29 +118,29 @@ class GPT(nn.Module):
         below block_size (checking them here would read them back from the device every step).
         attn_mask (T, T) among the new tokens, bool (True = may attend) or additive (0 or -inf);
         default causal; a tree passes its own. Every new token also sees all S committed tokens."""
-        B, T = idx.shape
+        T = idx.size(1)
         S = cache.length if cache is not None else 0
         if position_ids is None:
             if S + T > self.config.block_size:
                 raise ValueError(f"{S + T} positions do not fit in block_size={self.config.block_size}")
             position_ids = self.positions[S:S + T]                      # (T,): a view, nothing computed
-        x = self.wte(idx) + self.wpe(position_ids)                      # (B, T, C)
-        mask = None
-        if attn_mask is not None or (cache is not None and T > 1):
-            if attn_mask is None:
-                attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-            if attn_mask.dtype == torch.bool:  # additive (0 or -inf): attention would convert it in every layer
-                attn_mask = torch.zeros(T, T, device=x.device).masked_fill(~attn_mask, float("-inf"))
-            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)      # (T, T) -> (T, S+T): the cache is visible
-        for layer, block in enumerate(self.h):
-            x = block(x, mask, cache, layer)
-        if cache is not None:
-            cache.advance(T)
-        return self.ln_f(x)
+        x = self.embed(idx, position_ids)                               # (B, T, C)
+        return self.ln_f(self.run_blocks(self.h, x, position_ids, attn_mask, cache))
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Next-token logits (B, T, V)."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
+
+    def new_block(self, input_norm: bool = True) -> Block:
+        """A fresh block of this model's kind, on its device and in its dtype (for a drafter's own layer).
+        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none)."""
+        w = self.lm_head.weight
+        return Block(self.config, input_norm).to(device=w.device, dtype=w.dtype)
+
+    def new_norm(self) -> nn.Module:
+        """A fresh final norm of this model's kind (LayerNorm), on its device and in its dtype."""
+        w = self.lm_head.weight
+        return nn.LayerNorm(self.config.n_embd, device=w.device, dtype=w.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,275 +252,90 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain decoding: the reference every fast path is checked against
-
-def _check_request(model, idx, max_new_tokens, temperature):
-    base = model.base if isinstance(model, MedusaModel) else model
-    if idx.dim() != 2 or idx.size(1) == 0:
-        raise ValueError(f"idx must be non-empty prompts of shape (B, S), got {tuple(idx.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if idx.size(1) + max_new_tokens > base.config.block_size:
-        raise ValueError(f"prompt ({idx.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
-                         f"does not fit in block_size={base.config.block_size}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    return base
-
-
-def sample_token(logits, temperature: float = 0.0, top_k: int | None = None):
-    """A token from logits (..., V) -> (...): argmax when temperature == 0, else a draw from softmax(logits / T)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs.view(-1, probs.size(-1)), 1).view(probs.shape[:-1])  # (rows, V) -> (...)
-
+# Plain decoding: the reference every drafter is checked against
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None):
+def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, stop_tokens=None):
     """Plain KV-cached decoding, one token per forward: (B, S) -> (B, S + max_new_tokens).
 
-    Takes a GPT or a MedusaModel (then only its base is used). A batch of equal-length prompts
-    serves self-distillation; Medusa decoding compares against batch 1."""
-    base = _check_request(model, idx, max_new_tokens, temperature)
+    Takes a base (GPT, smollm.Llama) or a model that carries one as `.base` (MedusaModel). A batch of
+    equal-length prompts serves self-distillation; tree decoding compares against batch 1.
+    stop_tokens: token ids that end a row; a row that has ended repeats its stop token, and decoding
+    ends when every row has, so the output may be shorter: (B, S + n) with n <= max_new_tokens
+    (with stop tokens, one read from the device per token)."""
+    base = getattr(model, "base", model)
+    check_request(base, idx, max_new_tokens, temperature)
     B, S = idx.shape
     cache = KVCache(base.config, device=idx.device, dtype=base.lm_head.weight.dtype, batch_size=B,
                     capacity=S + max_new_tokens)  # prompt + new tokens, not block_size
     out = torch.cat([idx, idx.new_zeros(B, max_new_tokens)], dim=1)  # (B, S+n): filled in place
+    stop = torch.tensor(list(stop_tokens), device=idx.device) if stop_tokens else None  # (k,)
+    done = torch.zeros(B, dtype=torch.bool, device=idx.device) if stop is not None else None  # (B,)
     logits = base.lm_head(base.hidden(idx, cache=cache)[:, -1])  # prefill, logits at the last position: (B, V)
     for t in range(S, S + max_new_tokens):
-        out[:, t] = sample_token(logits, temperature, top_k)    # (B,)
+        token = sample_token(logits, temperature)                # (B,)
+        if stop is not None:
+            token = torch.where(done, out[:, t - 1], token)      # a row that has ended repeats its stop token
+            done |= torch.isin(token, stop)
+        out[:, t] = token
+        if stop is not None and bool(done.all()):
+            return out[:, :t + 1]
         if t + 1 < S + max_new_tokens:
             logits = base(out[:, t:t + 1], cache=cache)[:, -1]  # (B, 1, V) -> (B, V)
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Medusa decoding. One step = four named phases, as in the paper and the reference:
-#   1. generate_candidates (tree.py)  2. tree_decoding  3. evaluate_posterior  4. update_inputs
+# Medusa decoding: the heads draft a fixed tree, the verifier (verify.py) checks it. One step is
+# four named phases, as in the paper and the reference:
+#   1. generate_candidates (tree.py, called by MedusaDrafter.propose)  2. tree_decoding
+#   3. evaluate_posterior  4. update_inputs (the last three in verify.py)
 
-@dataclass
-class DecodeState:
-    """What a step needs: the committed tokens, their cache, and the logits at the last one."""
-    tokens: torch.Tensor       # (1, S) committed tokens: a view of `buffer`
-    buffer: torch.Tensor       # (1, block_size) room for every token the context can hold
-    cache: KVCache             # S entries
-    logits: torch.Tensor       # (V,) base logits at the last committed position
-    head_logits: torch.Tensor  # (K, V) Medusa head logits there (the first K the tree uses)
-    heads: HeadStack           # the heads' weights, stacked once for the whole generation
-    root: torch.Tensor | None = None  # exact sampling: the next root, already drawn
+class MedusaDrafter(Drafter):
+    """Medusa's drafts: head k's top-k guesses at the last accepted node, laid out on a fixed tree.
 
+    All heads read the same hidden state h_t, so every depth-k node with the same last rank carries
+    the same token, whatever its parent (docs/medusa.md section 2). One drafter serves one generation."""
 
-@dataclass
-class MedusaStats:
-    steps: int = 0
-    accept_lengths: list[int] = field(default_factory=list)  # per step: tokens accepted after the root
-    token_depths: list[int] = field(default_factory=list)    # per new token: 0 = root, k = head k
+    def __init__(self, model: MedusaModel, choices, device):
+        self.trees = tree_cuts(choices, device)  # {depth: the tree cut there}, built once per (tree, device)
+        self.full = self.trees[max(self.trees)]
+        if self.full.depth > len(model.heads):
+            raise ValueError(f"the tree is {self.full.depth} deep but the model has only {len(model.heads)} heads")
+        if self.full.topk > model.base.config.vocab_size:
+            raise ValueError(f"the tree asks for rank {self.full.topk - 1} but the vocabulary has "
+                             f"{model.base.config.vocab_size} tokens")
+        self.model, self.nodes = model, len(self.full.node_paths)
+        self.head_logits = None  # (D, V): the heads' logits at the last committed position
+        self.depth = None        # the depth of the tree proposed last
 
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean tokens committed per verification step, the root (bonus) token included."""
-        return len(self.token_depths) / max(self.steps, 1)
+    def start(self, state, h):
+        self.stack = HeadStack(self.model)  # the heads' weights, stacked once for the whole generation
+        self.head_logits = self.model.head_logits(h[-1])                # (C,) -> (K, V)
 
+    def propose(self, state, root, depth):
+        buffers = self.trees[min(depth, self.full.depth)]
+        self.depth = buffers.depth
+        tree_tokens, candidates = generate_candidates(state.logits, self.head_logits, buffers, root)   # 1
+        return Draft(tree_tokens, candidates, buffers)
 
-def prefill(model: MedusaModel, idx, extra: int = 0) -> DecodeState:
-    """Run the prompt (1, S) once; keep its cache and the logits at its last position.
-    `extra` cache slots beyond block_size hold the tree nodes being verified."""
-    base = model.base
-    S = idx.size(1)
-    cache = KVCache(base.config, extra=extra, device=idx.device, dtype=base.lm_head.weight.dtype)
-    buffer = idx.new_zeros(1, base.config.block_size)
-    buffer[:, :S] = idx
-    h = base.hidden(idx, cache=cache)[0, -1]  # (1, S, C) -> (C,)
-    return DecodeState(buffer[:, :S], buffer, cache, base.lm_head(h), model.head_logits(h), HeadStack(model))
-
-
-def tree_decoding(model: MedusaModel, tree_tokens, buffers: TreeBuffers, cache: KVCache):
-    """Step 2: one forward over all N tree nodes on top of the S cached tokens (S + N entries after it).
-
-    tree_tokens (N,) in node order. Before: cache.length == S, the committed tokens
-    (state.tokens.size(1) before the step). Each node sits at position S + its depth and sees the
-    S committed tokens, its ancestors and itself (buffers.attn_bias). After: cache.length == S + N,
-    node n's entry in slot S + n. Returns hidden states (N, C) and base logits (N, V);
-    logits[n] predicts the token after node n. ValueError if the deepest node would sit at or
-    past block_size."""
-    S, block = cache.length, model.base.config.block_size
-    if S + buffers.depth >= block:
-        raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: "
-                         f"cut the tree")
-    position_ids = buffers.positions(block)[S]                              # (N,): S + depth, a row of a table
-    h = model.base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
-    return h, model.base.lm_head(h)
-
-
-def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_threshold: float = 0.09,
-                       posterior_alpha: float = 0.3, path_lengths=None):
-    """Step 3: the best candidate row and how many of its tokens after the root are accepted.
-
-    logits (P, L, V): logits[r, j] predicts token j+1 of row r. candidates (P, L), padded with -1.
-    path_lengths (P,): real tokens per row, root included (default: the non-negative entries).
-    A row ends at its first -1 (or at path_lengths); padding is never accepted. Slot 0 (the root)
-    is never judged; logits[:, -1] judge nothing.
-    Greedy (temperature 0): accept while the token is the argmax; best = first longest row.
-    Typical: with p = softmax(logits / temperature) and H its entropy (natural log, 0 log 0 = 0),
-    accept while p(token) > min(posterior_threshold, posterior_alpha * exp(-H)) (the paper's epsilon
-    and alpha), strictly; among the longest rows the
-    best has the largest sum of log p over its accepted tokens only (ties: the first such row).
-    A row's accept length is its leading run of accepted drafts: nothing after a rejection counts.
-    Nothing accepted anywhere: (0, 0) in both modes.
-    Returns (best_row, accept_length) Python ints: the step's only read from the device."""
-    P, L = candidates.shape
-    if logits.shape[:2] != (P, L):
-        raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")
-    drafts = candidates[:, 1:]                                                # (P, L-1)
-    if temperature == 0:
-        ok = drafts == logits[:, :-1].argmax(-1)                              # (P, L-1): padding (-1) never matches
-    else:
-        scaled = logits[:, :-1].float() / temperature                         # (P, L-1, V)
-        p, logp = F.softmax(scaled, dim=-1), F.log_softmax(scaled, dim=-1)
-        # H = -sum p log p, so exp(-H) = exp(sum p log p). The clamp keeps 0 * log 0 at 0, not NaN.
-        neg_entropy = (p * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)  # (P, L-1)
-        threshold = torch.clamp(posterior_alpha * torch.exp(neg_entropy), max=posterior_threshold)
-        index = drafts.clamp(min=0).unsqueeze(-1)                             # (P, L-1, 1): padding reads token 0
-        ok = p.gather(-1, index).squeeze(-1) > threshold                      # (P, L-1), strict as in the paper
-        logp_draft = logp.gather(-1, index).squeeze(-1)                       # (P, L-1)
-        ok = ok & (drafts >= 0)
-    if path_lengths is not None:  # rows may end before their padding does
-        ok = ok & (torch.arange(1, L, device=ok.device) < path_lengths[:, None])  # (P, L-1): slot j+1 is real
-    # A row's accept length is the position of its first rejection.
-    ok = F.pad(ok, (0, 1), value=False)                                       # (P, L-1) -> (P, L): one always comes
-    lengths = ok.float().argmin(1)                                            # (P,): argmin gives the first False
-    if temperature == 0:
-        lengths = lengths.tolist()                                            # the step's one read from the device
-        accept = max(lengths)
-        return lengths.index(accept), accept                                  # the first longest row
-    accepted = torch.arange(L - 1, device=ok.device) < lengths[:, None]      # (P, L-1)
-    score = (logp_draft * accepted).sum(1)                                    # (P,)
-    accept = lengths.max()
-    best = score.masked_fill(lengths < accept, float("-inf")).argmax()       # ties: the first row
-    best, accept = torch.stack([best, accept]).tolist()                      # the step's one read from the device
-    return best, accept
-
-
-def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: float):
-    """Exact sampling: from the root, draw x ~ softmax(logits[node] / T); step into the child whose
-    token is x, else stop. Returns (walked node indices, x drawn at the stopping node = next root).
-
-    logits (N, V): per tree node, logits[n] predicts the token after node n. tree_tokens (N,): the
-    root's token, tree_tokens[0], is already drawn and committed; the walk only decides what follows
-    it. buffers.children[n]: node n's children. One draw per node visited (sample_token at
-    `temperature`), none after the walk stops. walked: a list of Python ints starting with 0, each a
-    child of the one before; x: the 0-d tensor drawn at walked[-1], never the token of one of its
-    children."""
-    node, walked = 0, [0]
-    while True:
-        x = sample_token(logits[node], temperature)
-        child = next((c for c in buffers.children[node] if tree_tokens[c] == x), None)
-        if child is None:
-            return walked, x
-        node = child
-        walked.append(node)
-
-
-def update_inputs(model: MedusaModel, state: DecodeState, buffers: TreeBuffers, best: int, accept: int,
-                  candidates, h, logits):
-    """Step 4: commit row `best`'s first accept + 1 nodes, keep their cache entries in contiguous
-    slots, and take the next logits from the last accepted node (no extra forward).
-
-    best, accept: Python ints from step 3; candidates (P, L); h (N, C) and logits (N, V) from the
-    tree pass. Before: S = state.tokens.size(1) committed tokens, and the cache holds S + N entries
-    (the tree's, node n in slot S + n). After: state.tokens (1, S + accept + 1), a view of
-    state.buffer, ends with row best's first accept + 1 tokens (the root first); the cache holds
-    exactly their entries, in slots S .. S + accept; state.logits (V,) and state.head_logits
-    (buffers.depth, V) are the base and head logits at the last accepted node (state.heads gives
-    the heads' logits in one batched product). Returns the kept node indices, a tensor (accept + 1,)."""
-    S = state.tokens.size(1)
-    nodes = buffers.retrieve_indices[best, :accept + 1]             # (a+1,) node indices on the device
-    kept = buffers.rows[best][:accept + 1]                          # the same nodes, read on the host
-    last = kept[-1]
-    state.buffer[0, S:S + accept + 1] = candidates[best, :accept + 1]
-    state.tokens = state.buffer[:, :S + accept + 1]                 # (1, S+a+1)
-    if kept == list(range(accept + 1)):  # nodes 0..accept already sit in slots S..S+accept (the root alone always does)
-        state.cache.rollback(S + accept + 1)
-    else:
-        state.cache.keep(S, nodes)
-    state.logits = logits[last]                                     # (V,)
-    # Only the heads this tree uses: each is a large product next to a small model.
-    state.head_logits = state.heads(h[last], buffers.depth)         # (C,) -> (D, V)
-    return nodes
-
-
-def medusa_step(model, state: DecodeState, buffers: TreeBuffers, temperature=0.0, sampling="typical",
-                posterior_threshold=0.09, posterior_alpha=0.3):
-    """One verification step; commits accept + 1 tokens and returns (accepted nodes, accept_length).
-
-    sampling (temperature > 0): "typical" draws the root from the model and accepts drafts by the
-    typical rule; "typical-fast" takes the argmax root, so the output is deterministic (the
-    reference's fast path); "exact" walks the tree and keeps the model's distribution."""
-    root = None
-    if temperature > 0 and sampling == "exact":
-        root = state.root
-    elif temperature > 0 and sampling == "typical":
-        root = sample_token(state.logits, temperature)
-    tree_tokens, candidates = generate_candidates(state.logits, state.head_logits, buffers, root)   # 1
-    h, logits = tree_decoding(model, tree_tokens, buffers, state.cache)                            # 2
-    if temperature > 0 and sampling == "exact":                                                    # 3
-        walked, state.root = sample_tree_walk(logits, tree_tokens, buffers, temperature)
-        best, accept = buffers.row_of[walked[-1]], len(walked) - 1  # a row whose prefix is the walk
-    else:
-        best, accept = evaluate_posterior(gather_paths(logits, buffers), candidates, temperature,
-                                          posterior_threshold, posterior_alpha)  # padding (-1) ends each row
-    nodes = update_inputs(model, state, buffers, best, accept, candidates, h, logits)              # 4
-    return nodes, accept
-
-
-SAMPLING = ("typical", "typical-fast", "exact")
+    def commit(self, state, kept, h):
+        # Only the heads this tree uses: each is a large product next to a small model.
+        self.head_logits = self.stack(h[kept[-1]], self.depth)         # (C,) -> (D, V)
 
 
 @torch.no_grad()
 def medusa_generate(model: MedusaModel, idx, max_new_tokens: int, choices, temperature: float = 0.0,
-                    sampling: str = "typical", posterior_threshold: float = 0.09, posterior_alpha: float = 0.3):
-    """Medusa decoding: (1, S) -> ((1, S + max_new_tokens), MedusaStats).
+                    sampling: str = "typical", posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+                    stop_tokens=None, stream=None):
+    """Medusa decoding: (1, S) -> ((1, S + max_new_tokens), DecodeStats); fewer tokens when a stop
+    token ends the text (verify.speculative_generate).
 
     temperature 0: greedy acceptance, output identical to generate(). temperature > 0: sampling
     "typical" (the paper's typical acceptance with a sampled root: fast, varied, but not the model's
     distribution), "typical-fast" (the same with the argmax root: deterministic) or "exact" (the
     lossless tree walk: the same distribution as generate() at that temperature)."""
-    base = _check_request(model, idx, max_new_tokens, temperature)
-    if idx.size(0) != 1:
-        raise ValueError(f"Medusa decoding takes one prompt, shape (1, S); got {tuple(idx.shape)}")
-    if sampling not in SAMPLING:
-        raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-    trees = tree_cuts(choices, idx.device)  # built once per (tree, device), reused by every call
-    full = trees[max(trees)]
-    if full.depth > len(model.heads):
-        raise ValueError(f"the tree is {full.depth} deep but the model has only {len(model.heads)} heads")
-    if full.topk > base.config.vocab_size:
-        raise ValueError(f"the tree asks for rank {full.topk - 1} but the vocabulary has {base.config.vocab_size} tokens")
-
-    state = prefill(model, idx, extra=len(full.node_paths))
-    if temperature > 0 and sampling == "exact":
-        state.root = sample_token(state.logits, temperature)
-    stats, end = MedusaStats(), idx.size(1) + max_new_tokens
-    while state.tokens.size(1) < end:
-        # Near the end, the tree cut to the depth that still fits (end <= block_size, so positions fit).
-        depth = min(full.depth, end - state.tokens.size(1) - 1)
-        if depth == 0:  # one token left: the root alone, nothing to verify
-            root = state.root if state.root is not None else sample_token(state.logits, temperature)
-            S = state.tokens.size(1)
-            state.buffer[0, S] = root
-            state.tokens = state.buffer[:, :S + 1]
-            stats.steps += 1
-            stats.accept_lengths.append(0)
-            stats.token_depths.append(0)
-            break
-        _, accept = medusa_step(model, state, trees[depth], temperature, sampling,
-                                posterior_threshold, posterior_alpha)
-        stats.steps += 1
-        stats.accept_lengths.append(accept)
-        stats.token_depths.extend(range(accept + 1))  # the k-th committed node was proposed by head k
-    return state.tokens, stats
+    check_request(model.base, idx, max_new_tokens, temperature, sampling)  # before the tree is built
+    drafter = MedusaDrafter(model, choices, idx.device)
+    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
+                                posterior_threshold, posterior_alpha, stop_tokens, stream)

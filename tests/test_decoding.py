@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from conftest import PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
 from memo import trained_once
-from medusa_mini import (GPT, MedusaModel, evaluate_posterior, generate, medusa_generate, medusa_loss,
-                         sample_tree_walk)
+from medusa_mini import GPT, MedusaModel, generate, medusa_generate, medusa_loss
+from verify import evaluate_posterior, sample_tree_walk
 from tree import build_tree_buffers, dense_tree
 
 TREES = {
@@ -459,7 +459,7 @@ def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution
     (trained on it) and the ceiling both commit nearly the whole 4-deep chain each step; heads with
     scrambled residual blocks guess wrong and commit about the root alone, while the ceiling stays."""
     import copy
-    from benchmark import exact_sampling_ceiling
+    from measure import exact_sampling_ceiling
     from conftest import PERIOD
     device = periodic_model.base.lm_head.weight.device
     prompts = [torch.tensor(PERIOD[:5], device=device), torch.tensor(PERIOD[3:], device=device),

@@ -3,10 +3,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import periodic_batch, random_medusa, tiny_config
-from medusa_mini import GPT, HeadStack, KVCache, MedusaModel, generate, medusa_loss, medusa_step, prefill
+from medusa_mini import GPT, HeadStack, MedusaDrafter, MedusaModel, generate, medusa_loss
+from verify import KVCache, prefill, verify_step
 from tree import build_tree_buffers, dense_tree
 
 
@@ -143,12 +143,13 @@ def test_cache_after_medusa_steps_equals_plain_decoding(periodic_model, temperat
     """After any number of steps the cache holds exactly the entries plain decoding builds for the committed tokens."""
     torch.manual_seed(1)
     model = periodic_model
-    b = build_tree_buffers(dense_tree([2, 2, 1]), device)
-    state = prefill(model, torch.tensor([[3, 17, 5]], device=device), extra=len(b.node_paths))
+    drafter = MedusaDrafter(model, dense_tree([2, 2, 1]), device)
+    state, h = prefill(model.base, torch.tensor([[3, 17, 5]], device=device), extra=drafter.nodes)
+    drafter.start(state, h)
     if sampling == "exact":
         state.root = state.logits.argmax()
     for step in range(5):
-        medusa_step(model, state, b, temperature, sampling)
+        verify_step(model.base, drafter, state, 3, temperature, sampling)
         S = state.tokens.size(1)
         plain = KVCache(model.base.config, device=device)
         model.base(state.tokens[:, :3], cache=plain)

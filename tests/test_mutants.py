@@ -13,10 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import grade  # noqa: E402
+import grading  # noqa: E402
 
-ASSIGNMENTS = grade.load_mapping()["assignment"]
-DATA = grade.load_mutants(ASSIGNMENTS)
+ASSIGNMENTS = grading.load_mapping()["assignment"]
+DATA = grading.load_mutants(ASSIGNMENTS)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_every_assignment_has_faults_and_a_correct_rewrite():
     least one correct rewrite (so a grader that fails everything shows up)."""
     for n, a in ASSIGNMENTS.items():
         planted = {m["function"] for m in DATA["mutant"] if m["assignment"] == n}
-        trivial = {"medusa_mini.py:KVCache.rollback"} - planted  # one line: a fault is planted all the same
+        trivial = {"verify.py:KVCache.rollback"} - planted  # one line: a fault is planted all the same
         assert set(a["stubs"]) - trivial <= planted, f"assignment {n}: no fault in {set(a['stubs']) - planted}"
         assert any(e["assignment"] == n for e in DATA["equivalent"]), f"assignment {n}: no correct rewrite"
 
@@ -58,22 +58,22 @@ def test_correct_rewrites_pass(table, n):
 
 
 def test_a_fault_that_no_longer_fits_fails_loudly():
-    stale = dict(name="stale", function="medusa_mini.py:evaluate_posterior", replace="no such code", **{"with": ""})
-    with pytest.raises(grade.MutantError, match="'stale' no longer applies: snippet 'no such code' not found in evaluate_posterior"):
-        with grade.planted(stale):
+    stale = dict(name="stale", function="verify.py:evaluate_posterior", replace="no such code", **{"with": ""})
+    with pytest.raises(grading.MutantError, match="'stale' no longer applies: snippet 'no such code' not found in evaluate_posterior"):
+        with grading.planted(stale):
             pass
     gone = dict(stale, function="medusa_mini.py:no_such_function")
-    with pytest.raises(grade.MutantError, match="no longer applies: no function 'no_such_function'"):
-        with grade.planted(gone):
+    with pytest.raises(grading.MutantError, match="no longer applies: no function 'no_such_function'"):
+        with grading.planted(gone):
             pass
 
 
 def test_a_planted_fault_is_seen_through_every_import_and_then_removed():
-    from medusa_mini import evaluate_posterior
+    from verify import evaluate_posterior
     import torch
     logits, candidates = torch.zeros(1, 2, 3), torch.tensor([[0, 0]])
-    fault = dict(name="x", function="medusa_mini.py:evaluate_posterior", replace="return lengths.index(accept), accept",
-                 **{"with": "return 7, 7"})
-    with grade.planted(fault):
+    fault = dict(name="x", function="verify.py:evaluate_posterior", replace="best = lengths.index(accept)",
+                 **{"with": "best, accept = 7, 7"})
+    with grading.planted(fault):
         assert evaluate_posterior(logits, candidates) == (7, 7)
     assert evaluate_posterior(logits, candidates) == (0, 1)

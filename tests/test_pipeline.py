@@ -1,5 +1,4 @@
 """train_heads.py end to end on the tiny preset, its checkpoints, and sample.py."""
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,8 +9,10 @@ import torch
 
 import common
 import train_heads
+import training
 from conftest import PERIOD
-from medusa_mini import GPT, GPTConfig, KVCache
+from medusa_mini import GPT, GPTConfig
+from verify import KVCache
 from tree import validate_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +39,11 @@ def test_tiny_preset_writes_the_report(tiny_run):
 
 
 def test_a_tree_is_grown_for_exact_sampling(tiny_run):
-    """heads.pt holds a tree for exact sampling: a prefix of the order grown from accuracies read on
+    """medusa.pt holds a tree for exact sampling: a prefix of the order grown from accuracies read on
     sampled text (not the greedy ones); the report measures exact sampling on it, and
     sample.py --sampling exact decodes with it."""
     out, report = tiny_run
-    ckpt = torch.load(out / "heads.pt", weights_only=True)
+    ckpt = torch.load(out / "medusa.pt", weights_only=True)
     tree = [tuple(p) for p in ckpt["sampling_tree"]]
     assert validate_choices(tree) and tree == [tuple(p) for p in ckpt["sampling_order"]][:len(tree)]
     assert ckpt["sampled_accuracies"] != ckpt["accuracies"]
@@ -54,10 +55,10 @@ def test_a_tree_is_grown_for_exact_sampling(tiny_run):
 
 
 def test_medusa1_leaves_backbone_and_lm_head_unchanged(tiny_run):
-    """Medusa-1 trains the heads only: every base weight in heads.pt equals base.pt's."""
+    """Medusa-1 trains the heads only: every base weight in medusa.pt equals base.pt's."""
     out, _ = tiny_run
     base = torch.load(out / "base.pt", weights_only=True)["model"]
-    heads = torch.load(out / "heads.pt", weights_only=True)["model"]
+    heads = torch.load(out / "medusa.pt", weights_only=True)["model"]
     assert set(base) <= {k.removeprefix("base.") for k in heads}
     for name, tensor in base.items():
         assert torch.equal(heads["base." + name], tensor), name
@@ -79,7 +80,7 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
     path = tmp_path / "ckpt.pt"
     model = GPT(config)
-    common.save_checkpoint(path, config=dataclasses.asdict(config), model=model.state_dict())
+    common.save_checkpoint(path, base=common.gpt_base(config), drafter=None, model=model.state_dict())
     loaded = common.load_checkpoint(path, config)
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
     assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
@@ -107,24 +108,24 @@ def test_bad_data_files_give_a_clear_error(tmp_path, content, message):
 def test_head_accuracies_read_the_right_offsets(periodic_model):
     """On the periodic model every head's rank-0 guess is the token k+1 steps later: accuracy ~1 at rank 0."""
     prompts = torch.tensor([PERIOD[:5], PERIOD[3:8]])
-    acc = train_heads.measure_head_accuracies(periodic_model, prompts, 20, ranks=3)
+    acc = training.measure_head_accuracies(periodic_model, prompts, 20, ranks=3)
     assert len(acc) == 4 and all(len(a) == 3 for a in acc)
     assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
 
 
 def test_sample_prints_text_and_stats(tiny_run):
-    """sample.py --compare prints the continuation, the Medusa stats line and both speeds."""
+    """sample.py --compare prints the continuation, the drafter's stats line and both speeds."""
     out, _ = tiny_run
     result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--prompt", "ROMEO:", "--tokens", "12",
                              "--compare"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain:" in result.stdout
+    assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain 12 tokens" in result.stdout
     assert "\033[" not in result.stdout  # not a terminal: no colour codes
 
 
 def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
     """Ctrl-C mid-training saves base.pt as unfinished; a plain rerun refuses it, --resume finishes it."""
-    real_lr_at = train_heads.lr_at
+    real_lr_at = training.lr_at
 
     def interrupt_at_step_40(step, total, peak):
         if step == 40:
@@ -133,12 +134,12 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
 
     args = ["--preset", "tiny", "--out", str(tmp_path), "--threads", "1", "--report-prompts", "1",
             "--report-tokens", "8", "--base-steps", "60", "--head-steps", "20"]
-    monkeypatch.setattr(train_heads, "lr_at", interrupt_at_step_40)
+    monkeypatch.setattr(training, "lr_at", interrupt_at_step_40)
     with pytest.raises(SystemExit):
         train_heads.main(args)
     ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
     assert ckpt["done"] is False and ckpt["step"] == 40
-    monkeypatch.setattr(train_heads, "lr_at", real_lr_at)
+    monkeypatch.setattr(training, "lr_at", real_lr_at)
     with pytest.raises(SystemExit, match="--resume"):
         train_heads.main(args)
     train_heads.main(args + ["--resume"])
@@ -152,9 +153,9 @@ def test_presets_generate_only_at_trained_positions(preset):
     accuracies, report; the notebooks size their lengths from the context too)."""
     args = train_heads.parse_args(["--preset", preset, "--device", "cpu"])
     assert "block_size" not in common.PRESETS[preset]  # block_size = seq_len, set in one place
-    for stage, length in train_heads.generation_lengths(args).items():
+    for stage, length in training.generation_lengths(args).items():
         assert length <= args.seq_len, (preset, stage, length)
-    with pytest.raises(SystemExit):  # a request past the trained positions is refused up front
+    with pytest.raises(train_heads.UsageError, match="past the"):  # refused up front
         train_heads.parse_args(["--preset", preset, "--device", "cpu", "--report-tokens", str(args.seq_len)])
 
 
@@ -171,10 +172,10 @@ def test_training_dtype_follows_the_device(monkeypatch):
     a CPU with bf16 instructions); fp16 (with a GradScaler) on other CUDA GPUs; fp32 on other CPUs and MPS."""
     for native, cuda_dtype, cpu_dtype in ((True, torch.bfloat16, torch.bfloat16), (False, torch.float16, torch.float32)):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
-        monkeypatch.setattr(train_heads, "cpu_has_native_bf16", lambda n=native: n)
-        assert train_heads.training_dtype(torch.device("cuda")) == cuda_dtype
-        assert train_heads.training_dtype(torch.device("cpu")) == cpu_dtype
-        assert train_heads.training_dtype(torch.device("mps")) == torch.float32
+        monkeypatch.setattr(training, "cpu_has_native_bf16", lambda n=native: n)
+        assert training.training_dtype(torch.device("cuda")) == cuda_dtype
+        assert training.training_dtype(torch.device("cpu")) == cpu_dtype
+        assert training.training_dtype(torch.device("mps")) == torch.float32
 
 
 def test_gpu_preset_fits_a_6gb_card(monkeypatch):
@@ -182,12 +183,12 @@ def test_gpu_preset_fits_a_6gb_card(monkeypatch):
     distillation batch is sized to fit, and every stage's estimated peak stays under 6 GB."""
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(5.5 * gib), 6 * gib))
-    args = train_heads.parse_args(["--preset", "gpu", "--device", "cuda"])
+    args = common.run_args("gpu", "out", "cuda")
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
-    rows = train_heads.generation_batch_size(config, train_heads.DISTILL_PROMPT + args.distill_len, args.device)
+    rows = training.generation_batch_size(config, training.DISTILL_PROMPT + args.distill_len, args.device)
     assert 1 <= rows <= 1024
-    memory = train_heads.estimate_memory(config, args, torch.bfloat16)
+    memory = training.estimate_memory(config, args, torch.bfloat16)
     assert all(b < 5.5 * gib for b in memory.values()), {k: b / gib for k, b in memory.items()}
 
 
@@ -197,4 +198,4 @@ def test_generation_estimate_covers_the_kv_cache():
     config = GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=2, n_embd=16)
     cache = KVCache(config, batch_size=3, capacity=24)
     assert cache.k.size(3) == 24
-    assert train_heads.estimate_generation_bytes(config, 3, 24) >= 2 * cache.k.numel() * cache.k.element_size()
+    assert training.estimate_generation_bytes(config, 3, 24) >= 2 * cache.k.numel() * cache.k.element_size()

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import data
 import smollm
-from medusa_mini import KVCache, MedusaModel, generate, medusa_generate
+from medusa_mini import MedusaModel, generate, medusa_generate
+from verify import KVCache
 from tree import build_tree_buffers, dense_tree
 
 
@@ -198,11 +199,11 @@ def test_passage_prompts_have_the_asked_length(smol):
         assert prompt is None or len(smollm.chat_tokens(enc, prompt)) == 80
 
 
-def test_saved_heads_load_back(smol, tmp_path):
-    """load_medusa_smollm2 rebuilds what run() saves: the heads and the drafting vocabulary; heads of
-    another model, and a corrupt file, are refused in one line."""
-    import smollm_heads
-    from common import save_checkpoint
+def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
+    """common.load_model rebuilds what run() saves: the heads and the drafting vocabulary. Heads of
+    another model, a drafter of another kind or for another base, a file of the layout before
+    drafters were named, and a corrupt file are each refused in one line that says what to run."""
+    from common import SMOLLM2_BASE, load_model, save_checkpoint
     from conftest import tiny_config
     from medusa_mini import GPT
     model, _, _ = smol
@@ -212,15 +213,26 @@ def test_saved_heads_load_back(smol, tmp_path):
         for head in medusa.heads:
             head.residual.weight.normal_(0, 0.02)
     vocab = torch.tensor([5, 17, 300])
-    path = tmp_path / "heads.pt"
-    save_checkpoint(path, heads=medusa.heads.state_dict(), num_heads=2, draft_vocab=vocab)
-    loaded, _ = smollm_heads.load_medusa_smollm2(path)
+    path = tmp_path / "medusa.pt"
+    drafter = {"kind": "medusa", "config": {"num_heads": 2, "share_lm_head": True}}
+    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model={"heads." + k: v for k, v in
+                                                                     medusa.heads.state_dict().items()},
+                    draft_vocab=vocab)
+    loaded, _ = load_model(path, drafter="medusa", base_kind="smollm2", base=model)
     for (name, saved), restored in zip(medusa.heads.state_dict().items(), loaded.heads.state_dict().values()):
         assert torch.equal(saved, restored), name
     assert torch.equal(loaded.draft_vocab, vocab)
-    save_checkpoint(path, heads=MedusaModel(GPT(tiny_config()), num_heads=2).heads.state_dict(), num_heads=2)
-    with pytest.raises(ValueError, match="does not hold SmolLM2 heads"):
-        smollm_heads.load_medusa_smollm2(path)
+    with pytest.raises(ValueError, match="holds a medusa drafter, not eagle: run `python train_heads.py --base smollm2 --drafters eagle`"):
+        load_model(path, drafter="eagle", base_kind="smollm2", base=model)
+    with pytest.raises(ValueError, match="holds a drafter for SmolLM2, not the tiny GPT: run `python train_heads.py`"):
+        load_model(path, drafter="medusa", base_kind="gpt", base=model)
+    gpt_heads = MedusaModel(GPT(tiny_config()), num_heads=2).heads.state_dict()
+    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model={"heads." + k: v for k, v in gpt_heads.items()})
+    with pytest.raises(ValueError, match="does not hold a medusa-mini medusa model"):
+        load_model(path, base_kind="smollm2", base=model)
+    torch.save({"heads": gpt_heads, "num_heads": 2}, path)  # the layout before drafters were named
+    with pytest.raises(ValueError, match="earlier medusa-mini.*run `python train_heads.py --base smollm2`"):
+        load_model(path, drafter="medusa", base_kind="smollm2", base=model)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
-        smollm_heads.load_medusa_smollm2(path)
+        load_model(path, base_kind="smollm2", base=model)

@@ -7,7 +7,7 @@ tested where timings cannot."""
 import pytest
 import torch
 
-from benchmark import OpCounter, count_ops
+from measure import OpCounter, count_ops
 from conftest import random_medusa
 from tree import dense_tree
 

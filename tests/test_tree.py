@@ -1,5 +1,4 @@
 """Tree buffers, candidates, tree growth and drawings (tree.py)."""
-import itertools
 
 import matplotlib
 import pytest

@@ -1,0 +1,605 @@
+"""Measuring decoding: tree decoding against plain decoding of the same model, in the same process,
+interleaved; step costs and the tree they choose; ops per step (the GPU proxy); where a step's time
+goes; the exact-sampling ceiling. The commands benchmark.py and train_heads.py, and smollm_heads.py,
+use it.
+
+Every figure is a median over interleaved repeats: on a small shared machine, timings drift, and
+running the sides one after the other would hand the drift to one of them. Each side runs at every
+CPU thread count from 1 to the number of cores, and a speedup compares each side at its own best
+count.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import random_prompts, sync
+import verify
+from medusa_mini import HeadStack, MedusaDrafter, generate, generate_candidates, medusa_generate
+from tree import dense_tree, expected_tokens_per_step, gather_paths, grow_tree
+from verify import evaluate_posterior, prefill, tree_decoding
+
+DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
+
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    sync(device)
+    return time.perf_counter() - t0, result
+
+
+def thread_counts(device, threads=None):
+    """The CPU thread counts to try: 1 .. the number of cores, or the one given. On a GPU the CPU only
+    launches kernels, so the current count alone."""
+    if threads:
+        return [threads]
+    if torch.device(device).type != "cpu":
+        return [torch.get_num_threads()]
+    return list(range(1, (os.cpu_count() or 1) + 1))
+
+
+@torch.no_grad()
+def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, repeats=5, n_new=48):
+    """Time of one Medusa step with the first n nodes of `order`, against one plain decoding step,
+    at each thread count.
+
+    Measured as decoding really runs: whole greedy generations of n_new tokens from a held-out prompt
+    (tree buffers built once and reused, as in decoding), Medusa time per step over plain time per
+    token, sizes and thread counts interleaved, medians. Returns {threads: {"plain_step_ms",
+    "step_ms": {n: ms}, "relative": {n: x plain}}}."""
+    sizes = sizes or [n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if n <= len(order)]
+    prompt = torch.as_tensor(val_ids[:64].astype("int64"), device=device).view(1, -1)
+    for n in sizes:  # warm-up: builds and caches each tree's buffers
+        medusa_generate(model, prompt, 4, order[:n])
+    runs = {(t, n): [] for t in thread_counts(device, threads) for n in ["plain"] + sizes}
+    for _ in range(repeats):
+        for t, n in runs:
+            torch.set_num_threads(t)
+            if n == "plain":
+                seconds, _ = timed(lambda: generate(model, prompt, n_new), device)
+                runs[t, n].append(seconds / n_new)
+            else:
+                seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, order[:n]), device)
+                runs[t, n].append(seconds / stats.steps)
+    costs = {}
+    for t in thread_counts(device, threads):
+        plain = statistics.median(runs[t, "plain"])
+        costs[t] = {"plain_step_ms": plain * 1e3,
+                    "step_ms": {n: statistics.median(runs[t, n]) * 1e3 for n in sizes},
+                    "relative": {n: statistics.median(runs[t, n]) / plain for n in sizes}}
+    return costs
+
+
+def choose_tree(order, accuracies, costs):
+    """The prefix of the grown order, and the thread count, with the most expected tokens per second:
+    expected tokens per step (from the accuracies) over the measured time of a step.
+    Returns (tree, threads)."""
+    best = max(((t, n) for t in costs for n in costs[t]["step_ms"]),
+               key=lambda tn: expected_tokens_per_step(order[:tn[1]], accuracies) / costs[tn[0]]["step_ms"][tn[1]])
+    return order[:best[1]], best[0]
+
+
+def distinct_4gram_ratio(tokens):
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+@torch.no_grad()
+def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
+    """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
+    rotates each round).
+
+    modes: {name: (kind, kwargs)} with kind "plain" or "medusa"; kwargs may name another "model".
+    Returns, per (mode, threads): median
+    seconds per prompt, outputs, and the Medusa stats of the last repeat."""
+    keys = [(name, t) for name in modes for t in threads]
+    runs = {key: {"seconds": [], "outputs": [], "stats": []} for key in keys}
+    for p, prompt in enumerate(prompts):
+        idx = prompt.view(1, -1)
+        per_prompt = {key: [] for key in keys}
+        for r in range(repeats):
+            for name, t in keys[r % len(keys):] + keys[:r % len(keys)]:
+                kind, kwargs = modes[name]
+                kwargs = dict(kwargs)
+                m = kwargs.pop("model", model)  # a mode may bring its own model (ablation.py)
+                if t is not None:
+                    torch.set_num_threads(t)
+                torch.manual_seed(1000 * p + r)  # sampled modes: the same seeds for every mode
+                if kind == "plain":
+                    seconds, out = timed(lambda: generate(m, idx, n_new, **kwargs), idx.device)
+                    stats = None
+                else:
+                    seconds, (out, stats) = timed(lambda: medusa_generate(m, idx, n_new, **kwargs), idx.device)
+                per_prompt[name, t].append(seconds)
+                if r == repeats - 1:
+                    runs[name, t]["outputs"].append(out[0, idx.size(1):].tolist())
+                    runs[name, t]["stats"].append(stats)
+        for key in keys:
+            runs[key]["seconds"].append(statistics.median(per_prompt[key]))
+    return runs
+
+
+def summarise(runs, name, baseline, threads, n_new):
+    """One row: mode `name` at each thread count, and at its best against `baseline` at its best."""
+    tokens = n_new * len(runs[name, threads[0]]["seconds"])
+    speed = {t: tokens / sum(runs[name, t]["seconds"]) for t in threads}
+    base_speed = {t: tokens / sum(runs[baseline, t]["seconds"]) for t in threads}
+    best, base_best = max(speed, key=speed.get), max(base_speed, key=base_speed.get)
+    run = runs[name, best]
+    row = {"tokens_per_s": speed[best], "threads": best, "tokens_per_s_by_threads": speed,
+           "speedup": speed[best] / base_speed[base_best],  # best against best
+           "speedup_same_threads": {t: speed[t] / base_speed[t] for t in threads},
+           "distinct_4gram": statistics.mean(distinct_4gram_ratio(o) for o in run["outputs"])}
+    if run["stats"][0] is not None:
+        steps = sum(s.steps for s in run["stats"])
+        row["tokens_per_step"] = tokens / steps
+        # overhead = time of a Medusa step / time of a plain decoding step (one token), same threads
+        row["overhead_per_step"] = (tokens / speed[best] / steps) / (1 / base_speed[best])
+    return row
+
+
+def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None, sampling_tree=None):
+    """The report's measurements: the mode table, the ops count, the tree-size sweep, what was trained.
+    sampling_tree: a tree grown from accuracies on sampled text, with which exact sampling is also measured."""
+    device = next(model.parameters()).device
+    threads = thread_counts(device, getattr(args, "threads", None))
+    n_new = args.report_tokens
+    prompts = random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
+    big = order[:64]
+    dense = dense_tree(DENSE_WIDTHS[:len(model.heads)])
+    chosen_name = f"medusa greedy, chosen tree ({len(chosen)} nodes)"
+    modes = {
+        "plain greedy": ("plain", {}),
+        chosen_name: ("medusa", dict(choices=chosen)),
+        f"medusa greedy, grown tree ({len(big)} nodes)": ("medusa", dict(choices=big)),
+        f"medusa greedy, dense {'x'.join(map(str, DENSE_WIDTHS))} ({len(dense)} nodes)": ("medusa", dict(choices=dense)),
+        "plain sampling T=0.7": ("plain", dict(temperature=0.7)),
+        "medusa typical T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="typical")),
+        "medusa exact T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="exact")),
+    }
+    if sampling_tree is not None:  # exact sampling on a tree grown for it
+        modes[f"medusa exact T=0.7, sampling tree ({len(sampling_tree)} nodes)"] = (
+            "medusa", dict(choices=sampling_tree, temperature=0.7, sampling="exact"))
+    print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
+          f"{n_new} tokens, interleaved")
+    for name, (kind, kwargs) in modes.items():  # warm-up: first calls, tree buffers
+        generate(model, prompts[0].view(1, -1), 4) if kind == "plain" else \
+            medusa_generate(model, prompts[0].view(1, -1), 4, **kwargs)
+    runs = compare(model, prompts, n_new, modes, repeats=3, threads=threads)
+    table = {}
+    for name in modes:
+        baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
+        table[name] = summarise(runs, name, baseline, threads, n_new)
+        if "greedy" in name and name != "plain greedy":
+            same = [a == b for a, b in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
+            table[name]["greedy_identical"] = sum(same) / len(same)
+    ops = count_ops(model, prompts[0].view(1, -1), chosen, n_new)
+
+    # Tree-size sweep: grown trees of several sizes, greedy, against plain greedy in the same rounds,
+    # at the thread count the chosen tree runs best with.
+    best_threads = table[chosen_name]["threads"]
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= len(order)} | {len(chosen)})
+    sweep_modes = {"plain greedy": ("plain", {})}
+    sweep_modes.update({n: ("medusa", dict(choices=order[:n])) for n in sizes})
+    sweep_runs = compare(model, prompts[:5], n_new, sweep_modes, repeats=2, threads=[best_threads])
+    sweep = []
+    for n in sizes:
+        row = summarise(sweep_runs, n, "plain greedy", [best_threads], n_new)
+        sweep.append({"nodes": n, "expected_tokens_per_step": expected_tokens_per_step(order[:n], accuracies),
+                      "tokens_per_step": row["tokens_per_step"], "speedup": row["speedup"]})
+    torch.set_num_threads(threads[-1])
+
+    chosen_row = table[chosen_name]
+    accept_lengths = [a for s in runs[chosen_name, best_threads]["stats"] for a in s.accept_lengths]
+    sample = runs[chosen_name, best_threads]["outputs"][0]
+    return {
+        "tokens_per_step": chosen_row["tokens_per_step"], "speedup": chosen_row["speedup"],
+        "speedup_1_thread": chosen_row["speedup_same_threads"][threads[0]],
+        "greedy_identical": chosen_row["greedy_identical"],
+        "greedy_distinct_4": table["plain greedy"]["distinct_4gram"],  # below ~0.5: greedy text loops
+        "ops_ratio": ops["ops_ratio"], "host_reads_per_step": ops["host_reads_per_step"], "ops": ops,
+        "device": str(device), "threads": threads, "preset": args.preset,
+        "prompts": len(prompts), "new_tokens": n_new, "chosen_tree": [list(p) for p in chosen],
+        "sampling_tree": None if sampling_tree is None else [list(p) for p in sampling_tree],
+        "modes": table, "tree_size_sweep": sweep, "sweep_threads": best_threads, "accept_lengths": accept_lengths,
+        "accuracies": accuracies, "step_costs": costs, "training": training or {},
+        "sample": enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(sample),
+    }
+
+
+# ---------------------------------------------------------------------------------------- ops: the GPU proxy
+
+class OpCounter(TorchDispatchMode):
+    """Counts what decoding would cost a GPU where a model is this small: one kernel launch per aten
+    op that computes something (views only relabel memory, so they are left out), and every read of
+    a tensor's value on the host, which makes the CPU wait for the GPU."""
+    HOST_READS = {"aten._local_scalar_dense", "aten.equal", "aten.nonzero", "aten.is_nonzero", "aten.masked_select"}
+    FREE = {"aten._unsafe_view", "aten.scalar_tensor"}  # metadata, or a CPU scalar: no kernel
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_reads = Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in self.HOST_READS:
+            self.host_reads += 1
+        elif not func.is_view and name not in self.FREE:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        # .tolist() reads a whole tensor on the host without an aten op: count it by hand.
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(tensor):
+            counter.host_reads += 1
+            return tolist(tensor)
+        torch.Tensor.tolist = counted_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+@torch.no_grad()
+def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
+    """Kernel-launching ops per plain token and per Medusa step, and host reads per step.
+
+    Plain: the difference between generating 2m and m tokens (m = n/2), per token. Medusa: a whole generation
+    minus its prefill, per step. ops_ratio = Medusa ops per step / plain ops per token; on a GPU,
+    where a small model's step costs about one launch per op, tokens/step / ops_ratio projects the
+    speedup (a projection, not a measurement)."""
+    block = getattr(model, "base", model).config.block_size
+    n_new = min(n_new, block - prompt.size(1))          # everything within the context
+    saved = getattr(model, "draft_dtype", None)
+    if saved is not None:  # counted as a GPU decodes: drafting in the base's dtype (common.draft_cheaply)
+        model.draft_dtype = None
+        try:
+            return count_ops(model, prompt, choices, n_new, **medusa_kwargs)
+        finally:
+            model.draft_dtype = saved
+    n_plain = n_new // 2                                 # plain: generate 2 * n_plain and n_plain tokens
+    medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)  # build the tree buffers and their tables first
+
+    def start():  # what a generation does before its first step: the prompt's forward, the drafter's start
+        drafter = MedusaDrafter(model, choices, prompt.device)
+        state, h = prefill(model.base, prompt, extra=drafter.nodes)
+        drafter.start(state, h)
+    counts = []
+    for fn in (lambda: generate(model, prompt, n_plain), lambda: generate(model, prompt, 2 * n_plain), start,
+               lambda: medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)):
+        with OpCounter() as counter:
+            result = fn()
+        counts.append((counter, result))
+    (short, _), (long, _), (pre, _), (medusa, (_, stats)) = counts
+    plain = (long.total - short.total) / n_plain
+    per_step = (medusa.total - pre.total) / stats.steps
+    return {"plain_ops_per_token": plain, "medusa_ops_per_step": per_step, "ops_ratio": per_step / plain,
+            "host_reads_per_step": (medusa.host_reads - pre.host_reads) / stats.steps,
+            "plain_host_reads_per_token": (long.host_reads - short.host_reads) / n_plain,
+            "tokens_per_step": stats.tokens_per_step,
+            "projected_speedup": stats.tokens_per_step / (per_step / plain),
+            "medusa_ops": {k: (v - pre.ops[k]) / stats.steps for k, v in medusa.ops.most_common()}}
+
+
+def format_table(report):
+    """The report's table: tokens/s at each thread count, and the speedup best against best."""
+    threads = report["threads"]
+    lines = ["| mode | tokens/step | " + " | ".join(f"tokens/s, {t} thread{'s' * (t != 1)}" for t in threads)
+             + " | speedup (best vs best) | overhead/step (x plain) | distinct 4-grams | = plain greedy |",
+             "|---|---|" + "---|" * len(threads) + "---|---|---|---|"]
+    for name, r in report["modes"].items():
+        def f(key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        speeds = " | ".join(f"{r['tokens_per_s_by_threads'][t]:.0f}" + ("*" if t == r["threads"] else "")
+                            for t in threads)
+        lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {speeds} | "
+                     + ("-" if "tokens_per_step" not in r else f"{r['speedup']:.2f}x")
+                     + f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
+                     + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
+    return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at; speedup = its best tokens/s " \
+        "over its plain baseline's best tokens/s (sampled modes against plain sampling)."
+
+
+def format_ops(ops):
+    return (f"ops per step (kernel-launching aten ops, views excluded): plain {ops['plain_ops_per_token']:.0f} per "
+            f"token, Medusa {ops['medusa_ops_per_step']:.0f} per step = {ops['ops_ratio']:.2f}x; host reads per step "
+            f"{ops['host_reads_per_step']:.2f}; projected GPU speedup {ops['tokens_per_step']:.2f} tokens/step / "
+            f"{ops['ops_ratio']:.2f} = {ops['projected_speedup']:.2f}x (a projection, not a measurement)")
+
+
+def write_report(report, out):
+    """report.json, report.md and the PNGs; prints the table."""
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    pngs = plot_report(report, out)
+    table = format_table(report)
+    md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
+          f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; times are medians of "
+          "3 interleaved runs, every mode at every thread count.", "", table, "", format_ops(report["ops"]), "",
+          "## Tree size sweep (grown trees, greedy)", "",
+          "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
+    md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
+           for r in report["tree_size_sweep"]]
+    base = report.get("training", {}).get("base", {})
+    if "val_loss_halves" in base:  # every position trained: later positions, with more context, are no worse
+        md += ["", f"Base model held-out loss {base['val_loss']:.3f}; over the first and second half of the context's "
+               f"positions: {base['val_loss_halves'][0]:.3f} and {base['val_loss_halves'][1]:.3f}."]
+    joint = report.get("training", {}).get("heads", {}).get("joint")
+    if joint:  # Medusa-2 changed the backbone: show that the base model's quality was kept
+        md += ["", "## Medusa-2 (--joint)", "", f"Base model validation loss: {joint['val_loss_before']:.3f} before, "
+               f"{joint['val_loss_after']:.3f} after joint training (tokens/step above are with the joint model)."]
+    md += ["", "## Sample (chosen tree, greedy)", "", f"Distinct 4-grams in plain greedy text: "
+           f"{report['greedy_distinct_4']:.2f} (1.00: no 4-gram repeats).", "", "```", report["sample"], "```", ""]
+    md += [f"![{p}]({p})" for p in pngs]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n" + table)
+    print("\n" + format_ops(report["ops"]))
+    print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")
+
+
+def plot_report(report, out):
+    """The report's pictures; returns their file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=110)
+        plt.close(fig)
+        files.append(name)
+
+    training = report.get("training", {})
+    if training.get("base", {}).get("history") or training.get("heads", {}).get("history"):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for label, part in (("base model (LM loss)", "base"), ("Medusa heads (weighted sum)", "heads")):
+            h = training.get(part, {}).get("history")
+            if h:
+                ax.plot(h["step"], h["loss"], label=label)
+        ax.set(title="Training curves", xlabel="step", ylabel="training loss")
+        ax.legend()
+        save(fig, "training_curves.png")
+    h = training.get("base", {}).get("history", {})
+    if h.get("seconds"):  # the base model's loss against wall-clock time: what a recipe is judged on
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(h["seconds"], h["loss"], label="training loss")
+        ax.axhline(training["base"]["val_loss"], color="0.5", ls="--", label="final held-out loss")
+        ax.set(title=f"Base model: loss against time ({report['device']})", xlabel="seconds", ylabel="loss")
+        ax.legend()
+        save(fig, "loss_vs_time.png")
+
+    acc = report["accuracies"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ks = range(1, len(acc) + 1)
+    ax.bar([k - 0.2 for k in ks], [a[0] for a in acc], width=0.4, label="top-1")
+    ax.bar([k + 0.2 for k in ks], [sum(a[:5]) for a in acc], width=0.4, label="top-5")
+    ax.set(title="Head accuracy during greedy decoding (held-out prompts)", xlabel="head k (guesses token t+k+1)",
+           ylabel="accuracy", xticks=list(ks), ylim=(0, 1))
+    ax.legend()
+    save(fig, "head_accuracy.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    lengths = report["accept_lengths"]
+    ax.hist(lengths, bins=[x - 0.5 for x in range(max(lengths) + 2)], rwidth=0.8)
+    ax.set(title="Accept lengths per step (chosen tree, greedy)", xlabel="tokens accepted after the root",
+           ylabel="steps")
+    save(fig, "accept_lengths.png")
+
+    sweep = report["tree_size_sweep"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    nodes = [r["nodes"] for r in sweep]
+    ax.plot(nodes, [r["expected_tokens_per_step"] for r in sweep], "o--", label="expected (from accuracies)")
+    ax.plot(nodes, [r["tokens_per_step"] for r in sweep], "o-", label="measured")
+    ax.set(title="Tokens per step: expected against measured", xlabel="tree nodes (grown tree)",
+           ylabel="tokens per step", xscale="log", xticks=nodes, xticklabels=nodes)
+    ax.legend()
+    save(fig, "expected_vs_measured.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(nodes, [r["speedup"] for r in sweep], "o-", label="measured speedup")
+    t = report["sweep_threads"]
+    rel = report["step_costs"][t]["relative"]
+    ax.plot([int(n) for n in rel], list(rel.values()), "s:", label="step cost / plain step")
+    ax.axhline(1.0, color="0.5", lw=0.8)
+    ax.set(title=f"Speedup against tree size ({report['device']}, {t} thread{'s' * (t != 1)})",
+           xlabel="tree nodes (grown tree)", ylabel="x plain greedy", xscale="log", xticks=nodes, xticklabels=nodes)
+    ax.legend()
+    save(fig, "speedup_vs_tree_size.png")
+    return files
+
+
+def median_ms(fn, device, repeats=200):
+    """Median time of fn() in ms over `repeats` calls, after a few warm-up calls."""
+    for _ in range(5):
+        fn()
+    return statistics.median(timed(fn, device)[0] for _ in range(repeats)) * 1e3
+
+
+PHASES = {"generate_candidates": "medusa_mini", "tree_decoding": "verify", "evaluate_posterior": "verify",
+          "update_inputs": "verify"}  # verify_step's four phases, and the module each is looked up in
+
+
+@torch.no_grad()
+def breakdown(model, prompt, choices, n_new=128, rounds=9):
+    """Where a Medusa step's time goes, actual against ideal.
+
+    Actual: the steps of real decoding (mean time inside verify_step), whole generations (their time
+    per step, which also spreads the prompt's prefill over the steps), and each phase timed inside
+    real decoding (means over the steps). Ideal: on the same cache, the tree forward alone, the
+    heads alone and the bookkeeping (candidates, acceptance, cache and token updates) alone, each
+    warm and in isolation (medians of 25). The two are measured in alternating rounds, so that a
+    machine whose speed drifts (a shared VM's does, by tens of percent within a minute) slows both
+    alike: medians over rounds, and a ratio is the median of the rounds' ratios. Returns the
+    figures; prints the table."""
+    device = prompt.device
+    times, originals = {}, {}
+
+    def wrap(owner, name, label):
+        originals[(owner, name)] = fn = getattr(owner, name)
+
+        def timed_fn(*a, **k):
+            seconds, result = timed(lambda: fn(*a, **k), device)
+            times.setdefault(label, []).append(seconds)
+            return result
+        setattr(owner, name, timed_fn)
+
+    def timed_inside(targets):  # one generation, each (owner, attribute, label) timed inside it
+        times.clear()           # -> ({label: mean ms per call}, ms per step of the generation, its stats)
+        for owner, attr, label in targets:
+            wrap(owner, attr, label)
+        try:
+            seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, choices), device)
+        finally:
+            for (owner, attr), fn in originals.items():
+                setattr(owner, attr, fn)
+            originals.clear()
+        return {name: statistics.fmean(v) * 1e3 for name, v in times.items()}, seconds / stats.steps * 1e3, stats
+
+    # Ideal: the same work, each part alone on the cache of the prompt.
+    drafter = MedusaDrafter(model, choices, device)
+    buffers = drafter.full
+    state, h = prefill(model.base, prompt, extra=drafter.nodes)
+    drafter.start(state, h)
+    S = state.tokens.size(1)
+    tree_tokens, candidates = generate_candidates(state.logits, drafter.head_logits, buffers)
+
+    def tree_pass():
+        out = tree_decoding(model.base, tree_tokens, buffers, state.cache)
+        state.cache.rollback(S)
+        return out
+    h, logits = tree_pass()
+    nodes = buffers.retrieve_indices[0, :buffers.depth + 1]
+
+    def bookkeeping():  # everything of a step but the two forwards: candidates, acceptance, updates
+        _, cand = generate_candidates(state.logits, drafter.head_logits, buffers)
+        best, accept = evaluate_posterior(gather_paths(logits, buffers), cand)
+        state.buffer[0, S:S + len(nodes)] = cand[0]
+        state.cache.length = S + len(buffers.node_paths)
+        state.cache.keep(S, nodes)
+        state.cache.rollback(S)
+        return best, accept, logits[buffers.rows[0][-1]]
+
+    def plain_forward():  # one plain decoding step on the same cache, for comparison
+        out = model.base(prompt[:, -1:], cache=state.cache)
+        state.cache.rollback(S)
+        return out
+    ideal_parts = {"tree forward": tree_pass, "heads": lambda: drafter.stack(h[0], buffers.depth),
+                   "bookkeeping": bookkeeping}
+
+    medusa_generate(model, prompt, n_new, choices)  # warm-up
+    per_round = []
+    for _ in range(rounds):
+        plain = timed(lambda: generate(model, prompt, n_new), device)[0] / n_new * 1e3
+        row, generation, stats = timed_inside([(verify, "verify_step", "step")])
+        row.update({"plain": plain, "generation per step": generation,
+                    "plain alone": median_ms(plain_forward, device, 25)})
+        row.update(timed_inside([(sys.modules[module], name, name) for name, module in PHASES.items()]
+                                + [(HeadStack, "__call__", "heads in decoding")])[0])
+        row.update({name: median_ms(fn, device, 25) for name, fn in ideal_parts.items()})
+        row["ideal step"] = sum(row[name] for name in ideal_parts)
+        row["ratio"] = row["step"] / row["ideal step"]
+        row["generation ratio"] = row["generation per step"] / row["ideal step"]
+        per_round.append(row)
+    med = {key: statistics.median(row[key] for row in per_round) for key in per_round[0]}
+    plain, step = med["plain"], med["step"]
+
+    print(f"{rounds} rounds, each: a plain generation, a Medusa generation, one with its phases timed, "
+          f"and each ideal part alone (medians of 25); medians over the rounds")
+    print(f"plain step {plain:.2f} ms in real decoding; Medusa step {step:.2f} ms ({step / plain:.2f}x) "
+          f"with a {len(choices)}-node tree, {stats.tokens_per_step:.2f} tokens/step")
+    print(f"(whole generations: {med['generation per step']:.2f} ms per Medusa step, the prompt's prefill "
+          f"spread over the steps; plain decoding's {plain:.2f} ms per token includes its prefill too)")
+    print("\nactual: each phase inside real decoding, mean over the steps")
+    for name in list(PHASES) + ["heads in decoding"]:
+        label = "  of which the heads" if name == "heads in decoding" else name
+        print(f"  {label:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
+    print("\nideal: each part alone on the same cache, warm")
+    for name in list(ideal_parts) + ["ideal step"]:
+        print(f"  {name:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
+    print(f"  {'(a plain step alone)':24s} {med['plain alone']:7.3f} ms")
+    ratios = sorted(row["ratio"] for row in per_round)
+    print(f"\nactual step / ideal step = {med['ratio']:.2f} (rounds from {ratios[0]:.2f} to {ratios[-1]:.2f}); "
+          f"whole generations per step / ideal step = {med['generation ratio']:.2f}")
+    return {"plain_step_ms": plain, "step_ms": step, "generation_ms_per_step": med["generation per step"],
+            "tokens_per_step": stats.tokens_per_step,
+            "actual_ms": {name: med[name] for name in list(PHASES) + ["heads in decoding"]},
+            "ideal_ms": {name: med[name] for name in ideal_parts}, "ideal_step_ms": med["ideal step"],
+            "plain_alone_ms": med["plain alone"], "actual_over_ideal": med["ratio"],
+            "generation_over_ideal": med["generation ratio"], "rounds": per_round}
+
+
+def accepted_depth(ranks, tree):
+    """How deep a sample goes into the tree: ranks[k] is the rank of its token k+1 after the root in
+    head k+1's list (-1: not in it); the tree is a set of rank paths, prefix-closed."""
+    d = 0
+    while d < len(ranks) and tuple(ranks[:d + 1]) in tree:
+        d += 1
+    return d
+
+
+@torch.no_grad()
+def exact_sampling_ceiling(model, prompts, temperature, sizes, new_tokens=96, every=4, draws=384, ranked=256, ranks=10):
+    """Exact sampling's tokens/step with our heads' proposals, and with the best any heads could make.
+
+    The tree walk is lossless, so a step commits the root and then the longest prefix of a sample from
+    the model that the tree holds: tokens/step can be measured by sampling, without decoding. At every
+    `every`-th position of a sample of new_tokens from each prompt, `draws` continuations of the root
+    and len(model.heads) tokens are drawn. The first `ranked` rank the tokens at each offset by how
+    often they were drawn: the model's own distribution of the tokens after the root, the most a head
+    can know (it guesses before the root is drawn): the ceiling. Both sets of proposals are scored on
+    the other draws, each on trees grown from its own accuracies on the ranked draws.
+    Returns {"heads": {size: tokens/step}, "ceiling": {size: tokens/step}, "positions": count}."""
+    D, V = len(model.heads), model.base.config.vocab_size
+    lists = {"heads": [], "ceiling": []}       # per position: (D, ranks) token ids, rank order
+    seen, scored = [], []                      # per position: (ranked, D) and (draws - ranked, D) draws
+    for prompt in prompts:
+        sample = generate(model, prompt.view(1, -1), new_tokens, temperature)[0]
+        last = min(sample.numel(), model.base.config.block_size - D - 1)  # the draws must fit in the context
+        for t in range(prompt.numel(), last + 1, every):
+            context = sample[None, :t]                                                   # (1, t)
+            h = model.base.hidden(context)[0, -1]                                        # (C,)
+            lists["heads"].append(model.head_logits(h).topk(ranks, -1).indices)          # (D, ranks)
+            after_root = generate(model, context.expand(draws, -1), D + 1, temperature)[:, t + 1:]  # (draws, D)
+            seen.append(after_root[:ranked])
+            scored.append(after_root[ranked:])
+            counts = [torch.bincount(seen[-1][:, k], minlength=V) for k in range(D)]     # D x (V,)
+            lists["ceiling"].append(torch.stack([c.topk(ranks).indices for c in counts]))  # (D, ranks)
+
+    def rank_of(tokens, x):  # tokens (D, ranks), x (N, D) -> (N, D): the rank of x[:, k] in tokens[k], or -1
+        hit = x[:, :, None] == tokens                                                    # (N, D, ranks)
+        return torch.where(hit.any(-1), hit.int().argmax(-1), -1)
+
+    result = {"positions": len(seen)}
+    for name, per_position in lists.items():
+        hits = torch.cat([rank_of(tokens, x)[:, :, None] == torch.arange(ranks, device=x.device)
+                          for tokens, x in zip(per_position, seen)])                    # (N, D, ranks)
+        order = grow_tree(hits.float().mean(0).tolist(), max(sizes))                     # accuracies (D, ranks)
+        rows = torch.cat([rank_of(tokens, x) for tokens, x in zip(per_position, scored)]).tolist()
+        result[name] = {n: statistics.fmean(1 + accepted_depth(r, set(order[:n])) for r in rows) for n in sizes}
+    return result
+
+
+def format_ceiling(ceiling, temperature):
+    sizes = list(ceiling["heads"])
+    lines = [f"exact sampling at T={temperature}, tokens/step on {ceiling['positions']} positions of sampled text",
+             "| proposals | " + " | ".join(f"{n} nodes" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for name, label in (("heads", "our heads"), ("ceiling", "the model's own distribution (the ceiling)")):
+        lines.append(f"| {label} | " + " | ".join(f"{ceiling[name][n]:.2f}" for n in sizes) + " |")
+    return "\n".join(lines)
