@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import data
+from eagle import EagleModel, eagle_generate
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_generate
 
 # Sizes and defaults per preset. seq_len is both the training window and the model's context
@@ -114,8 +115,8 @@ def sync(device):
 # "config": ...} or {"kind": "smollm2", ...}) and which drafter ("drafter": {"kind": "medusa", "config":
 # ...}, or None for a base alone). Files of an earlier layout are refused with what to rerun.
 FORMAT = 2
-DRAFTER_MODELS = {"medusa": MedusaModel}  # drafter kind -> the class holding a base and that drafter
-GENERATE = {"medusa": medusa_generate}    # drafter kind -> its decoding: (model, idx, n, tree, T, sampling, ...)
+DRAFTER_MODELS = {"medusa": MedusaModel, "eagle": EagleModel}  # drafter kind -> the class holding a base and it
+GENERATE = {"medusa": medusa_generate, "eagle": eagle_generate}  # its decoding: (model, idx, n, tree, T, sampling, ...)
 
 
 def save_checkpoint(path, **contents):

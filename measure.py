@@ -26,6 +26,13 @@ from verify import evaluate_posterior, prefill, tree_decoding
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
 
+# The sizes of the measurements, defined here once: training.py's plan (its time estimate) and its
+# check that no stage generates past the trained positions read them too.
+STEP_COST_PROMPT, STEP_COST_TOKENS, STEP_COST_REPEATS = 64, 48, 5  # measure_step_costs: prompt, new tokens
+STEP_COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # tree sizes timed (nodes)
+REPORT_PROMPT, REPORT_REPEATS, REPORT_MODES = 32, 3, 8             # run_report: prompt tokens, rounds, modes
+SWEEP_PROMPTS, SWEEP_REPEATS, SWEEP_SIZES = 5, 2, (1, 2, 4, 8, 16, 32, 64)  # its tree-size sweep
+
 
 def timed(fn, device):
     sync(device)
@@ -46,7 +53,8 @@ def thread_counts(device, threads=None):
 
 
 @torch.no_grad()
-def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, repeats=5, n_new=48):
+def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, repeats=STEP_COST_REPEATS,
+                       n_new=STEP_COST_TOKENS):
     """Time of one Medusa step with the first n nodes of `order`, against one plain decoding step,
     at each thread count.
 
@@ -54,8 +62,8 @@ def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, 
     (tree buffers built once and reused, as in decoding), Medusa time per step over plain time per
     token, sizes and thread counts interleaved, medians. Returns {threads: {"plain_step_ms",
     "step_ms": {n: ms}, "relative": {n: x plain}}}."""
-    sizes = sizes or [n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if n <= len(order)]
-    prompt = torch.as_tensor(val_ids[:64].astype("int64"), device=device).view(1, -1)
+    sizes = sizes or [n for n in STEP_COST_SIZES if n <= len(order)]
+    prompt = torch.as_tensor(val_ids[:STEP_COST_PROMPT].astype("int64"), device=device).view(1, -1)
     for n in sizes:  # warm-up: builds and caches each tree's buffers
         medusa_generate(model, prompt, 4, order[:n])
     runs = {(t, n): [] for t in thread_counts(device, threads) for n in ["plain"] + sizes}
@@ -151,7 +159,7 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
     device = next(model.parameters()).device
     threads = thread_counts(device, getattr(args, "threads", None))
     n_new = args.report_tokens
-    prompts = random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
+    prompts = random_prompts(val_ids, args.report_prompts, REPORT_PROMPT, args.seed + 5, device)
     big = order[:64]
     dense = dense_tree(DENSE_WIDTHS[:len(model.heads)])
     chosen_name = f"medusa greedy, chosen tree ({len(chosen)} nodes)"
@@ -172,7 +180,7 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
     for name, (kind, kwargs) in modes.items():  # warm-up: first calls, tree buffers
         generate(model, prompts[0].view(1, -1), 4) if kind == "plain" else \
             medusa_generate(model, prompts[0].view(1, -1), 4, **kwargs)
-    runs = compare(model, prompts, n_new, modes, repeats=3, threads=threads)
+    runs = compare(model, prompts, n_new, modes, repeats=REPORT_REPEATS, threads=threads)
     table = {}
     for name in modes:
         baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
@@ -185,10 +193,11 @@ def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, trai
     # Tree-size sweep: grown trees of several sizes, greedy, against plain greedy in the same rounds,
     # at the thread count the chosen tree runs best with.
     best_threads = table[chosen_name]["threads"]
-    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= len(order)} | {len(chosen)})
+    sizes = sorted({n for n in SWEEP_SIZES if n <= len(order)} | {len(chosen)})
     sweep_modes = {"plain greedy": ("plain", {})}
     sweep_modes.update({n: ("medusa", dict(choices=order[:n])) for n in sizes})
-    sweep_runs = compare(model, prompts[:5], n_new, sweep_modes, repeats=2, threads=[best_threads])
+    sweep_runs = compare(model, prompts[:SWEEP_PROMPTS], n_new, sweep_modes, repeats=SWEEP_REPEATS,
+                         threads=[best_threads])
     sweep = []
     for n in sizes:
         row = summarise(sweep_runs, n, "plain greedy", [best_threads], n_new)

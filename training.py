@@ -439,9 +439,10 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
     attention = 2 * L * T * C  # FLOPs per token, forward: scores and weighted values over ~T/2 keys
     rate = (6 * N + 3 * attention) * B * T / train_step  # FLOP/s
     distill_tokens = args.distill_prompts * (DISTILL_PROMPT + args.distill_len)
-    report_tokens = len(measure.thread_counts(args.device, args.threads)) * (  # every thread count:
-        5 * 17 * 48                                                          # measure_step_costs: repeats x sizes x tokens
-        + args.report_tokens * (args.report_prompts * 7 * 3 + 5 * 9 * 2))    # run_report: prompts x modes x repeats
+    step_costs = measure.STEP_COST_REPEATS * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
+    report = args.report_tokens * (args.report_prompts * measure.REPORT_MODES * measure.REPORT_REPEATS
+                                   + measure.SWEEP_PROMPTS * (len(measure.SWEEP_SIZES) + 2) * measure.SWEEP_REPEATS)
+    report_tokens = len(measure.thread_counts(args.device, args.threads)) * (step_costs + report)  # every thread count
     return {
         "base": args.base_steps * train_step,
         "distill": distill_tokens * (2 * N + attention) / rate * DECODING_SLOWDOWN,

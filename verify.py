@@ -83,16 +83,19 @@ def cache_mask(attn_mask, T: int, cache, dtype, device):
     """The attention mask of T new tokens after the cache's S entries, as attention takes it: (T, S+T)
     additive (0 = may attend, -inf = may not), or None where the kernel needs none.
 
-    attn_mask (T, T) among the new tokens, bool (True = may attend) or additive; None: causal. Every new
-    token also sees all S cached ones. None comes back for one new token after a cache (it sees
-    everything) and for a causal pass without a cache (the fused causal kernel, is_causal=True)."""
+    attn_mask (T, T) among the new tokens, bool (True = may attend) or additive; every new token also
+    sees all S cached ones. Or (T, S+T): which cached entries each new token sees too (a drafter's own
+    cache holds entries of other branches). None: causal. None comes back for one new token after a
+    cache (it sees everything) and for a causal pass without a cache (the fused causal kernel)."""
     if attn_mask is None and (cache is None or T == 1):
         return None
     if attn_mask is None:
         attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     if attn_mask.dtype == torch.bool:  # additive: attention would convert a bool mask in every layer
-        attn_mask = torch.zeros(T, T, device=device).masked_fill(~attn_mask, float("-inf"))
+        attn_mask = torch.zeros(attn_mask.shape, device=device).masked_fill(~attn_mask, float("-inf"))
     S = cache.length if cache is not None else 0
+    if attn_mask.size(-1) == S + T:
+        return attn_mask.to(dtype)
     return F.pad(attn_mask.to(dtype), (S, 0), value=0.0)          # (T, T) -> (T, S+T): the cache is visible
 
 
@@ -270,7 +273,7 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
         score = (logp_draft * accepted).sum(1)                                # (P,)
         accept = lengths.max()
         best = score.masked_fill(lengths < accept, float("-inf")).argmax()   # ties: the first row
-        read = [best, accept] if stop_tokens is None else [best, accept, first_stop[best]]
+        read = [best, accept] if stop_tokens is None else [best, accept, first_stop[best.view(1)][0]]  # no int index: a read
         best, accept, *stops = torch.stack(read).tolist()                    # the step's one read from the device
         stops = {best: stops[0]} if stops else None
     if stop_tokens is None:

@@ -393,22 +393,55 @@ def chi_square(counts, probs):
     return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
 
 
-def test_exact_sampling_matches_the_models_joint_distribution(device):
-    """The first three tokens of exact Medusa sampling at T = 0.7 follow the model's own
-    p(x1) p(x2 | x1) p(x3 | x1, x2).
+@trained_once
+def skewed_eagle():
+    """An EAGLE layer on the skewed model's base, trained a few seconds on the same Markov chain."""
+    from eagle import EagleModel, eagle_loss
+    torch.manual_seed(0)
+    base = skewed_model().base.requires_grad_(False)
+    model = EagleModel(base)
+    opt = torch.optim.AdamW(model.eagle.parameters(), lr=1e-2)
+    for _ in range(60):
+        seq = [torch.randint(0, V_SMALL, (64,))]
+        for _ in range(8):
+            seq.append(torch.multinomial(MARKOV[seq[-1]], 1)[:, 0])
+        seq = torch.stack(seq, 1)                                    # (64, 9)
+        with torch.no_grad():
+            f = base.hidden(seq[:, :-1])                             # (64, 8, C)
+        loss = eagle_loss(model.eagle, base, f, seq[:, 1:], torch.arange(8))[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
+    """The first three tokens of exact tree sampling at T = 0.7 follow the model's own
+    p(x1) p(x2 | x1) p(x3 | x1, x2), whichever drafter proposes the tree (Medusa's heads; EAGLE's
+    layer, on EAGLE-2's dynamic tree, which changes with every step's drafts).
 
     Three tokens with a depth-2 tree use everything: nodes past depth 1, and the next root drawn
     where a walk stops. False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that
     draws x3 without looking at x2 are both rejected by the same test at the same sample size."""
+    from eagle import DynamicTree, eagle_generate
     torch.manual_seed(1)
-    model, T, n = skewed_model().to(device), 0.7, 3000
+    T, n = 0.7, 3000
+    model = (skewed_model() if drafter == "medusa" else skewed_eagle()).to(device)
     prompt = torch.tensor([[1, 2]], device=device)
     joint = true_joint(model, prompt, T, 3)                                        # (V, V, V)
     assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"
-    tree = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    if drafter == "medusa":
+        def sample():
+            return medusa_generate(model, prompt, 3, [(0,), (1,), (0, 0), (0, 1), (1, 0)], temperature=T,
+                                   sampling="exact")
+    else:
+        def sample():
+            return eagle_generate(model, prompt, 3, DynamicTree(topk=2, nodes=4, depth=2), temperature=T,
+                                  sampling="exact")
     counts, accepted = torch.zeros(V_SMALL, V_SMALL, V_SMALL), 0
     for _ in range(n):
-        out, stats = medusa_generate(model, prompt, 3, tree, temperature=T, sampling="exact")
+        out, stats = sample()
         counts[tuple(out[0, 2:].tolist())] += 1
         accepted += stats.accept_lengths[0]
     assert accepted > n / 10, f"the walk accepted {accepted} drafted tokens in {n} first steps: expected > {n // 10}"
@@ -477,3 +510,62 @@ def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution
     torch.manual_seed(0)
     bad = exact_sampling_ceiling(scrambled, prompts, 0.7, [4], new_tokens=12, every=3, draws=64, ranked=32)
     assert bad["heads"][4] < 2.0 < 4.5 < bad["ceiling"][4], bad
+
+
+# ---------------------------------------------------------------- stop tokens
+
+@pytest.mark.parametrize("tree", ["chain_4", "sparse"])
+@pytest.mark.parametrize("stop", [29, 3])
+def test_greedy_with_a_stop_token_equals_plain_greedy_stop_included(periodic_model, device, tree, stop):
+    """With a stop token, greedy tree decoding still equals plain greedy decoding token for token:
+    both end right after the stop token. The periodic model's heads are perfect, so the stop comes
+    in the middle of an accepted path (29) or as a step's root (3, the first token of a period here)."""
+    idx = torch.tensor([[17, 5]], device=device)
+    plain = generate(periodic_model, idx, 40, stop_tokens=[stop])
+    fast, stats = medusa_generate(periodic_model, idx, 40, TREES[tree], stop_tokens=[stop])
+    assert plain[0, -1] == stop and stop not in plain[0, 2:-1].tolist(), plain
+    assert_same_tokens(fast, plain, periodic_model, stats, 2)
+    assert len(stats.token_depths) == plain.size(1) - 2
+
+
+@pytest.mark.parametrize("sampling", ["typical", "exact"])
+def test_sampled_decoding_ends_at_its_first_stop_token(periodic_model, device, sampling):
+    """Sampled tree decoding commits up to and including the first stop token, and nothing after it."""
+    torch.manual_seed(0)
+    out, stats = medusa_generate(periodic_model, torch.tensor([[17, 5]], device=device), 40, TREES["sparse"],
+                                 temperature=0.7, sampling=sampling, stop_tokens=[23])
+    new = out[0, 2:].tolist()
+    assert new[-1] == 23 and 23 not in new[:-1], new
+    assert len(stats.token_depths) == len(new)
+
+
+def test_batched_generation_stops_each_row_at_its_own_stop_token():
+    """Plain batched generation (distillation): each row ends at its own stop token and repeats it
+    after; generation ends when every row has ended, and rows match their one-at-a-time output."""
+    model = random_medusa(0)
+    prompts = torch.randint(0, 32, (4, 3), generator=torch.Generator().manual_seed(1))
+    free = generate(model, prompts, 20)
+    stop = free[0, 8].item()                                   # a token row 0 is sure to produce
+    out = generate(model, prompts, 20, stop_tokens=[stop])
+    for row in range(4):
+        alone = generate(model, prompts[row:row + 1], 20, stop_tokens=[stop])[0]
+        n = alone.numel()
+        assert torch.equal(out[row, :n], alone), row
+        assert (out[row, n:] == alone[-1]).all(), f"row {row} goes on after its stop token: {out[row].tolist()}"
+    ended = [stop in out[r, 3:].tolist() for r in range(4)]
+    assert out.size(1) == 23 or all(ended), "generation ran on after every row had ended"
+
+
+def test_acceptance_stops_after_a_stop_token():
+    """evaluate_posterior with stop tokens: nothing after a row's first stop token is accepted (the
+    stop itself can be), and the third value says whether the best row's accepted run ends with one."""
+    logits = torch.zeros(2, 4, 10)
+    logits[:, 0, 5], logits[:, 1, 6], logits[:, 2, 7] = 1.0, 1.0, 1.0  # the model says 5, then 6, then 7
+    candidates = torch.tensor([[1, 5, 6, 7], [1, 5, 6, 9]])
+    for temperature in (0.0, 1.0):
+        kwargs = dict(temperature=temperature, posterior_threshold=0.05, posterior_alpha=0.05)
+        assert evaluate_posterior(logits, candidates, **kwargs) == (0, 3)
+        assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([6]), **kwargs) == (0, 2, True)
+        assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([1]), **kwargs) == (0, 0, True)
+        assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([8]), **kwargs) == (0, 3, False)
+        assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([9]), **kwargs) == (0, 3, False)

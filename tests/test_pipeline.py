@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import measure
 import train_heads
 import training
 from conftest import PERIOD
@@ -36,6 +37,7 @@ def test_tiny_preset_writes_the_report(tiny_run):
     assert report["tokens_per_step"] >= 1.0
     assert len(list(out.glob("*.png"))) >= 2
     assert "| mode |" in (out / "report.md").read_text()
+    assert len(report["modes"]) == measure.REPORT_MODES  # what the plan's time estimate counts
 
 
 def test_a_tree_is_grown_for_exact_sampling(tiny_run):

@@ -15,9 +15,11 @@ TREE = dense_tree([2, 2, 1, 1])  # 2 + 4 + 4 + 4 = 14 nodes, depth 4
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.7, sampling="typical"),
-                                    dict(temperature=0.7, sampling="typical-fast")])
+                                    dict(temperature=0.7, sampling="typical-fast"), dict(stop_tokens=[31]),
+                                    dict(temperature=0.7, sampling="typical", stop_tokens=[31])])
 def test_greedy_and_typical_steps_read_the_device_once(kwargs):
-    """At most one host read per step (the accept length and best row, read together), none per plain token."""
+    """At most one host read per step (the accept length and best row, read together; with stop
+    tokens, whether the run ended too), none per plain token."""
     model = random_medusa(n_layer=4, block_size=128)
     ops = count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40, **kwargs)
     assert ops["host_reads_per_step"] <= 1.0, ops

@@ -1,0 +1,389 @@
+"""EAGLE: a draft layer that predicts the base model's next feature from its own features and the
+tokens drafted so far (Li, Wei, Zhang, Zhang: EAGLE, arXiv 2401.15077; EAGLE-2, arXiv 2406.16858).
+
+Medusa's heads all guess from the same hidden state h_t, each token independently of the ones
+before it, so every branch at depth k gets the same guesses. EAGLE drafts autoregressively at the
+feature level: from the feature f_i (the base's last hidden state, what lm_head reads) and the
+embedding of the token after it, one block of the base's own kind predicts f_{i+1}; the base's
+frozen lm_head turns it into a distribution over the next token; the predicted feature and a drafted
+token are fed back for the next. So each subtree is drafted for its own parent. Verification is the
+shared verifier's (verify.py): EAGLE only changes how the tree is drafted. docs/medusa.md, section 7.
+
+Shapes: S committed tokens, C width, V vocabulary, E entries (drafted nodes) in one draft forward,
+K the top-k of one node, N tree nodes (root included).
+"""
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tree import build_tree_buffers, tree_cuts
+from verify import Draft, Drafter, KVCache, check_request, speculative_generate
+
+
+# ----------------------------------------------------------------------------------------------
+# The draft layer (EAGLE-1, section 4.2)
+
+class EagleLayer(nn.Module):
+    """f^_{i+1} = block(fc([embed(t_{i+1}); f_i])): one block of the base's own kind, its first norm left
+    out (the fused input needs none), and no final norm: lm_head reads f^ as it reads the base's f.
+
+    Positions: the block sits at the feature's position i (a Llama block rotates it, RoPE); the token's
+    embedding is the base's own at the token's position i + 1 (a GPT adds its learned position
+    embedding there, as it does for its own input), so the GPT's draft layer knows positions the way
+    the GPT does, from its input."""
+    ahead = 1  # the token fed with feature f_i sits this many positions after it
+
+    def __init__(self, base):
+        super().__init__()
+        C, w = base.config.n_embd, base.lm_head.weight
+        self.fc = nn.Linear(2 * C, C, device=w.device, dtype=w.dtype)   # [embedding; feature] -> C, as EAGLE's fc
+        self.block = base.new_block(input_norm=False)
+
+    def forward(self, base, f, tokens, positions, attn_mask=None, cache: KVCache | None = None):
+        """f (B, T, C) features at `positions` (T,), tokens (B, T) one position after each -> f^ (B, T, C),
+        the predicted features one position after each. attn_mask and cache as in base.run_blocks."""
+        e = base.embed(tokens, positions + self.ahead).to(f.dtype)                  # (B, T, C), in the drafting dtype
+        x = self.fc(torch.cat([e, f], dim=-1))                                      # (B, T, 2C) -> (B, T, C)
+        return base.run_blocks([self.block], x, positions, attn_mask, cache)
+
+    def norm_out(self, out):
+        """What lm_head reads of the layer's output: EAGLE's predicted feature as it is, no norm."""
+        return out
+
+
+class EagleModel(nn.Module):
+    """A base model (`base`, frozen) and its EAGLE draft layer (`eagle`)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.eagle = EagleLayer(base)
+        # As MedusaModel's: decoding may draft in another dtype (e.g. bfloat16) and over a subset of
+        # the vocabulary; drafts are only proposals, verification keeps the output exact. None: as the base.
+        self.draft_dtype = None
+        self.draft_vocab = None
+
+    @property
+    def layers(self):
+        """The draft layers, in the order depths use them: EAGLE has one, used at every depth."""
+        return [self.eagle]
+
+
+NOISE = 0.2             # EAGLE-1: uniform noise U(-0.1, 0.1) on the input features, for robustness to its own errors
+TOKEN_LOSS_WEIGHT = 0.1  # EAGLE-1: loss = SmoothL1(feature) + 0.1 x cross-entropy(token distribution)
+
+
+def eagle_loss(layer, base, f, tokens, positions, vocab=None, noise=NOISE, token_weight=TOKEN_LOSS_WEIGHT,
+               lm_head_weight=None):
+    """EAGLE-1's training loss on one batch of a frozen base's features.
+
+    f (B, T, C): the base's last hidden states at positions (T,); tokens (B, T): the token after each
+    (tokens[:, i] = t_{i+1}). Entry i, fed f_i + noise and t_{i+1}, predicts f_{i+1}: SmoothL1 against
+    the true f_{i+1}, plus token_weight x the cross-entropy from the base's next-token distribution
+    there (softmax of lm_head(f_{i+1}), soft targets) to the draft's. Causal over the T - 1 entries.
+    vocab (V',): the softmax over those token ids only (SmolLM2: the tokens the texts use); with
+    lm_head_weight (V', C) given, that projection (e.g. in another dtype). Returns (loss, feature loss,
+    token loss, top-1 agreement with the base), 0-d tensors."""
+    inputs = f[:, :-1] + (torch.rand_like(f[:, :-1]) - 0.5) * noise                  # (B, T-1, C)
+    out = layer(base, inputs, tokens[:, :-1], positions[:-1])                          # (B, T-1, C)
+    target = f[:, 1:]                                                                  # (B, T-1, C)
+    feature_loss = F.smooth_l1_loss(out.float(), target.float())
+    w = lm_head_weight if lm_head_weight is not None else \
+        (base.lm_head.weight if vocab is None else base.lm_head.weight[vocab])         # (V', C)
+    logp = F.log_softmax(F.linear(out, w).float(), -1)                                 # (B, T-1, V')
+    with torch.no_grad():
+        p_base = F.softmax(F.linear(target, w).float(), -1)                            # (B, T-1, V')
+    token_loss = -(p_base * logp).sum(-1).mean()
+    agree = (logp.argmax(-1) == p_base.argmax(-1)).float().mean()
+    return feature_loss + token_weight * token_loss, feature_loss, token_loss, agree
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafting a tree, depth by depth (EAGLE-2's dynamic tree, or a static one)
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree (section 4): at each depth, expand the `topk` nodes of the last depth with the
+    highest value (the product of the draft's probabilities along the path), each proposing its
+    `topk` best tokens; `depth` depths; then keep the `nodes` nodes of highest value over all depths
+    (root not counted): a connected tree, since a child's value never exceeds its parent's."""
+    topk: int = 4
+    nodes: int = 16
+    depth: int = 5
+
+
+def as_tree(tree):
+    """A static tree (a list of rank paths, as Medusa's) or a DynamicTree, from what a checkpoint stores."""
+    if isinstance(tree, DynamicTree):
+        return tree
+    if isinstance(tree, dict):
+        return DynamicTree(**tree)
+    return [tuple(p) for p in tree]
+
+
+@functools.lru_cache(maxsize=4096)
+def _buffers(choices: tuple, device: str):
+    """The verifier's buffers for a tree drafted this step, built once per shape (shapes recur)."""
+    return build_tree_buffers(list(choices), device)
+
+
+@dataclass
+class _StaticDepth:
+    rank_index: torch.Tensor    # (n_d,) each depth-d node's slot in the (E_{d-1} * K_d) top-k of the entries above
+    expand: torch.Tensor        # (E_d,) which depth-d nodes have children: their entries draft depth d + 1
+    parent_entry: torch.Tensor  # (E_d,) for those, their parent's entry among depth d-1's (the root: 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_plan(node_paths: tuple, device: str):
+    """For a fixed tree (node paths in node order), the index tensors that draft it depth by depth:
+    ([top-k needed at each depth], [_StaticDepth for depths 1..D])."""
+    depth = max(len(p) for p in node_paths)
+    by_depth = [[p for p in node_paths if len(p) == d] for d in range(depth + 1)]
+    entry = {(): 0}  # a node with children -> its entry's index among its depth's entries
+    topk, plan = [], []
+    for d in range(1, depth + 1):
+        nodes = by_depth[d]
+        K = max(p[-1] for p in nodes) + 1
+        parents = {p[:-1] for p in by_depth[d + 1]} if d < depth else set()
+        expand = [i for i, p in enumerate(nodes) if p in parents]
+        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        plan.append(_StaticDepth(tensor([entry[p[:-1]] * K + p[-1] for p in nodes]), tensor(expand),
+                                 tensor([entry[nodes[i][:-1]] for i in expand])))
+        entry = {nodes[i]: e for e, i in enumerate(expand)}
+        topk.append(K)
+    return topk, plan
+
+
+class FeatureDrafter(Drafter):
+    """Drafts with feature-level layers (EAGLE's one layer; MTP's modules): one draft forward per depth,
+    over that depth's expanded nodes, each layer with its own KV cache.
+
+    The entry that drafts the children of a node n at depth d is fed the feature predicted by the
+    entry of n's parent (for the root: the base's feature at the last committed position) and n's own
+    token, and runs in layer min(d + 1, D) of the model's D layers (EAGLE: D = 1, its layer at every
+    depth). It sees its layer's committed entries, the entries of n's ancestors in the same layer and
+    itself: the tree mask, on the draft cache. Committed entries are computed from the base's true
+    features once the tokens they pair with are known ("catch-up"); tree entries are forgotten after
+    every step. The tree: a fixed one (rank paths, as Medusa's) or EAGLE-2's DynamicTree."""
+
+    def __init__(self, model, tree, device):
+        self.model, self.base, self.layers = model, model.base, model.layers
+        self.device = torch.device(device)
+        self.tree = as_tree(tree)
+        if isinstance(self.tree, DynamicTree):
+            if min(self.tree.topk, self.tree.nodes, self.tree.depth) < 1:
+                raise ValueError(f"a dynamic tree needs topk, nodes and depth of at least 1, got {self.tree}")
+            self.trees, self.nodes = None, self.tree.nodes + 1
+            self.max_depth, self.max_entries = self.tree.depth, self.tree.topk * self.tree.depth
+            largest_rank = self.tree.topk - 1
+        else:
+            self.trees = tree_cuts(self.tree, self.device)  # {depth: the tree cut there}, built once per (tree, device)
+            full = self.trees[max(self.trees)]
+            self.nodes, self.max_depth, self.max_entries = len(full.node_paths), full.depth, len(full.node_paths)
+            largest_rank = full.topk - 1
+        vocab = self.base.config.vocab_size if model.draft_vocab is None else len(model.draft_vocab)
+        if largest_rank >= vocab:
+            raise ValueError(f"the tree asks for rank {largest_rank} but the drafting vocabulary has {vocab} tokens")
+
+    # -------------------------------------------------------------- once per generation, and after each step
+
+    def start(self, state, h):
+        model, base = self.model, self.base
+        self.dtype = model.draft_dtype or base.lm_head.weight.dtype
+        # Cheaper drafting (model.draft_dtype, model.draft_vocab): the layers in that dtype, and lm_head's
+        # rows for the drafting vocabulary. Drafts are proposals: verification keeps the output exact.
+        self.run = [layer if self.dtype == base.lm_head.weight.dtype else copy.deepcopy(layer).to(self.dtype)
+                    for layer in self.layers]
+        self.vocab = model.draft_vocab                                                   # (V',) or None
+        self.head = base.lm_head.weight[slice(None) if self.vocab is None else self.vocab].to(self.dtype)  # (V', C)
+        self.caches = [KVCache(base.config, extra=self.max_entries, device=self.device, dtype=self.dtype, n_layer=1)
+                       for _ in self.layers]
+        # Features by position: [0] the base's, [l] layer l's outputs on committed tokens (MTP's chain).
+        self.features = torch.zeros(len(self.layers), base.config.block_size, base.config.n_embd,
+                                    device=self.device, dtype=self.dtype)            # (D, block_size, C)
+        self.features[0, :h.size(0)] = h.to(self.dtype)
+        self.known = h.size(0)  # base features are known at positions 0 .. known - 1
+
+    def commit(self, state, kept, h):
+        self.features[0, self.known:self.known + len(kept)] = h[kept].to(self.dtype)  # the accepted nodes' true features
+        self.known += len(kept)
+        for cache, length in zip(self.caches, self.committed):
+            cache.rollback(length)                                                    # forget the tree's entries
+
+    # -------------------------------------------------------------- the pieces of one step
+
+    def _logp(self, index, out):
+        """Log-probabilities over the drafting vocabulary of layer `index`'s outputs (E, C): (E, V')."""
+        return F.log_softmax(F.linear(self.run[index].norm_out(out), self.head).float(), -1)
+
+    def _layer_of(self, d):
+        """(which layer drafts the children of a depth-d node, how far past L - 1 its entry sits)."""
+        return min(d, len(self.layers) - 1), max(0, d + 1 - len(self.layers))
+
+    def _catch_up(self, tokens):
+        """Each layer's committed entries, up to the last its tokens allow; tokens (L + 1,): the committed
+        ones and the root. Returns the root's entry output (C,): layer 1's at position L - 1."""
+        L = tokens.numel() - 1
+        self.committed = []
+        for index, (layer, cache) in enumerate(zip(self.run, self.caches)):
+            start, end = cache.length, L - layer.ahead + 1          # entries start..end-1 pair with known tokens
+            f = self.features[index, start:end]                                        # (E, C)
+            out = layer(self.base, f[None], tokens[None, start + layer.ahead:end + layer.ahead],
+                        torch.arange(start, end, device=self.device), None, cache)[0]  # (E, C)
+            if index + 1 < len(self.layers):
+                self.features[index + 1, start:end] = out                              # the next module's input
+            if index == 0:
+                root_out = out[-1]
+            self.committed.append(cache.length)
+        return root_out
+
+    def _expand(self, d, parent_out, node_tokens, parent_rows, L):
+        """The entries of E nodes at depth d >= 1, in one forward: fed their parents' entry outputs (E, C)
+        and their own tokens (E,); parent_rows (E, P): their parents' mask rows over the P tree entries
+        already in this layer. Returns (outputs (E, C), log-probabilities (E, V'), the new rows (E, P + E))."""
+        index, offset = self._layer_of(d)
+        cache, E = self.caches[index], node_tokens.numel()
+        S = self.committed[index]
+        rows = torch.cat([parent_rows, torch.eye(E, dtype=torch.bool, device=self.device)], 1)     # (E, P+E)
+        mask = torch.cat([torch.ones(E, S, dtype=torch.bool, device=self.device), rows], 1)        # (E, S+P+E)
+        anchors = torch.full((E,), L - 1 + offset, device=self.device)
+        out = self.run[index](self.base, parent_out[None], node_tokens[None], anchors, mask, cache)[0]
+        return out, self._logp(index, out), rows
+
+    def _rows_for(self, d, rows, parents):
+        """The parents' rows, or none when depth d's entries go to another layer than their parents' (MTP)."""
+        if d > 1 and self._layer_of(d)[0] == self._layer_of(d - 1)[0]:
+            return rows[parents]
+        return torch.zeros(len(parents), 0, dtype=torch.bool, device=self.device)
+
+    def _tokens(self, ids):
+        return ids if self.vocab is None else self.vocab[ids]  # drafting-vocabulary slots -> token ids
+
+    # -------------------------------------------------------------- one step's tree
+
+    def propose(self, state, root, depth):
+        tokens = torch.cat([state.tokens[0], root.view(1)])                 # (L + 1,): committed, then the root
+        L = tokens.numel() - 1
+        root_out = self._catch_up(tokens)                                    # (C,)
+        depth = min(depth, self.max_depth)
+        if self.trees is not None:
+            return self._static(root, root_out, self.trees[depth], L)
+        return self._dynamic(root, root_out, depth, L)
+
+    def _static(self, root, root_out, buffers, L):
+        """A fixed tree: node (r1, ..., rd) carries rank rd of the distribution drafted for its parent."""
+        topk, plan = _static_plan(tuple(buffers.node_paths), str(self.device))
+        ranks = self._logp(0, root_out[None]).topk(topk[0], -1).indices    # (1, K_1): the root's children
+        out, rows, tokens = root_out[None], torch.zeros(1, 0, dtype=torch.bool, device=self.device), [root.view(1)]
+        for d, step in enumerate(plan, start=1):
+            tokens.append(self._tokens(ranks.flatten()[step.rank_index]))   # (n_d,) this depth's tokens
+            if d < len(plan):                                                 # draft depth d + 1
+                out, logp, rows = self._expand(d, out[step.parent_entry], tokens[-1][step.expand],
+                                               self._rows_for(d, rows, step.parent_entry), L)
+                ranks = logp.topk(topk[d], -1).indices                       # (E_d, K_{d+1})
+        tree_tokens = torch.cat(tokens)                                      # (N,): node order is depth by depth
+        candidates = torch.where(buffers.padding, -1, tree_tokens[buffers.gather_index])  # (P, L)
+        return Draft(tree_tokens, candidates, buffers)
+
+    def _dynamic(self, root, root_out, depth, L):
+        """EAGLE-2: expand the top-k nodes of each depth by value, then keep the best `nodes` of all."""
+        k = self.tree.topk
+        top = self._logp(0, root_out[None])[0].topk(k)                       # the root's k children
+        values, ids, frontiers = [top.values.double()], [top.indices], []    # per depth: path log-probs, slots
+        out, rows = root_out[None].expand(k, -1), torch.zeros(k, 0, dtype=torch.bool, device=self.device)
+        frontier = torch.arange(k, device=self.device)                       # depth 1: all of the root's children
+        for d in range(1, depth):                                            # draft depth d + 1
+            out, logp, rows = self._expand(d, out, self._tokens(ids[-1][frontier]), rows, L)
+            top = logp.topk(k, -1)                                           # (k, k): each node's k best
+            children = values[-1][frontier, None] + top.values.double()     # (k, k): the paths' log-probs
+            values.append(children.flatten())                                # (k*k,) entry-major
+            ids.append(top.indices.flatten())
+            frontier = values[-1].topk(k).indices                            # the next depth's k best
+            frontiers.append(frontier)
+            out, rows = out[frontier // k], self._rows_for(d + 1, rows, frontier // k)
+        # The best `nodes` drafted; a tiny penalty per depth keeps a parent ahead of a child of equal value
+        # (a probability of 1 in float32: the values are float64, where the penalty is exact).
+        flat = torch.cat([v - 1e-6 * d for d, v in enumerate(values)])
+        keep = flat.topk(min(self.tree.nodes, flat.numel())).indices
+        read = torch.cat([keep] + frontiers[:-1]).tolist()                   # the drafter's one read from the device
+        keep, expanded = read[:keep.numel()], read[keep.numel():]  # and which nodes of depths 2 .. depth-1 were expanded
+        return self._build(root, keep, expanded, k, depth, torch.cat([self._tokens(i) for i in ids]))
+
+    def _build(self, root, keep, expanded, k, depth, flat_tokens):
+        """The host side of a dynamic tree: the kept nodes' rank paths, their buffers (cached per shape),
+        and their tokens in node order. keep: flat indices over the depths' nodes (k, then k*k per
+        depth); expanded: the indices, within depths 2 .. depth - 1, of the nodes that were expanded."""
+        expanded = [expanded[i * k:(i + 1) * k] for i in range(depth - 2)]
+        starts = [0] + [k + i * k * k for i in range(depth - 1)]             # where each depth's nodes begin
+
+        def path(d, i):  # node i of depth d (1-based depth) -> its rank path
+            if d == 1:
+                return (i,)
+            parent = i // k if d == 2 else expanded[d - 3][i // k]           # its parent among depth d-1's nodes
+            return path(d - 1, parent) + (i % k,)
+
+        paths = {}
+        for f in keep:
+            d = max(j for j, s in enumerate(starts) if s <= f) + 1
+            paths[path(d, f - starts[d - 1])] = f
+        buffers = _buffers(tuple(sorted(paths, key=lambda p: (len(p), p))), str(self.device))
+        index = torch.tensor([paths[p] for p in buffers.node_paths[1:]], device=self.device)
+        tree_tokens = torch.cat([root.view(1), flat_tokens[index]])         # (N,) in node order
+        candidates = torch.where(buffers.padding, -1, tree_tokens[buffers.gather_index])  # (P, L)
+        return Draft(tree_tokens, candidates, buffers)
+
+
+@torch.no_grad()
+def eagle_generate(model, idx, max_new_tokens: int, tree, temperature: float = 0.0, sampling: str = "typical",
+                   posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, stop_tokens=None, stream=None):
+    """EAGLE decoding: (1, S) -> ((1, S + n), DecodeStats), as medusa_mini.medusa_generate, with the tree
+    drafted by the model's feature-level layers: a fixed tree (rank paths) or a DynamicTree (EAGLE-2)."""
+    check_request(model.base, idx, max_new_tokens, temperature, sampling)
+    drafter = FeatureDrafter(model, tree, idx.device)
+    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
+                                posterior_threshold, posterior_alpha, stop_tokens, stream)
+
+
+# ----------------------------------------------------------------------------------------------
+# How often drafts are right, depth by depth: what a tree is grown from
+
+@torch.no_grad()
+def chain_accuracies(model, seq, start, depth, ranks):
+    """a[d][r]: how often the layer's rank-r draft at depth d + 1 is the text's own token, given that the
+    drafts before it were within the top `ranks` (teacher-forced: each depth is fed the text's token
+    and the layer's own predicted feature, as drafting along the right path would be). The same table
+    as Medusa's head accuracies, so tree.grow_tree grows a tree from it; for a drafter conditioned on
+    its path, a product of these is the chain rule, not an assumption of independence.
+
+    seq (B, T): text the base wrote (greedy for greedy trees, sampled for exact sampling's); start:
+    the first position whose next token counts (the prompt's last). Runs depth forwards of the layer
+    on a batch cache: the entry for position i at depth d sees the true entries up to i and its own
+    chain. Returns depth lists of `ranks` floats."""
+    base, layer = model.base, model.layers[0]
+    B, T = seq.shape
+    f = base.hidden(seq)                                                             # (B, T, C)
+    n = T - 1 - depth                                                                # positions with a token depth + 1 ahead
+    cache = KVCache(base.config, batch_size=B, capacity=T * (depth + 1), device=seq.device, dtype=f.dtype, n_layer=1)
+    out = layer(base, f[:, :n], seq[:, 1:n + 1], torch.arange(n, device=seq.device), None, cache)  # (B, n, C)
+    eye = torch.eye(n, dtype=torch.bool, device=seq.device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()            # the true entries up to i
+    reached = torch.ones(B, n, dtype=torch.bool, device=seq.device)
+    acc = []
+    for d in range(1, depth + 1):                                                   # entries drafting depth d
+        logits = layer.norm_out(out) @ base.lm_head.weight.T                        # (B, n, V)
+        guesses = logits.topk(ranks, -1).indices                                    # (B, n, ranks)
+        actual = seq[:, d + 1:d + 1 + n]                                            # token i + d + 1
+        hits = guesses == actual[..., None]                                         # (B, n, ranks)
+        counted = reached[:, start:]                                                # positions whose path is in reach
+        acc.append((hits[:, start:][counted].float().mean(0)).tolist() if counted.any() else [0.0] * ranks)
+        reached &= hits.any(-1)
+        if d == depth:
+            break
+        mask = torch.cat([mask, eye], 1)                                            # (n, n * (d + 1)): + its own entry
+        out = layer(base, out, seq[:, d + 1:d + 1 + n], torch.arange(d, d + n, device=seq.device), mask, cache)
+    return acc

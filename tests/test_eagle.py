@@ -1,0 +1,164 @@
+"""EAGLE (eagle.py): the draft layer, its tree drafted depth by depth on its own cache, and decoding
+through the shared verifier: exact greedy output, the model's distribution when sampling, and
+drafts that are accepted when the layer is good."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_same_tokens, clock_model, periodic_batch, tiny_config
+from eagle import DynamicTree, EagleModel, FeatureDrafter, eagle_generate, eagle_loss
+from medusa_mini import GPT, generate
+from memo import trained_once
+from verify import prefill
+
+STATIC = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
+
+
+def random_eagle(seed=0, scale=4.0, **kw):
+    """An untrained base and layer with weights scaled up, so that logits (and ranks) are far apart."""
+    torch.manual_seed(seed)
+    model = EagleModel(GPT(tiny_config(**kw)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model.eval()
+
+
+@torch.no_grad()
+def chain_logp(model, tokens, features, path_tokens):
+    """The reference: the draft layer run plainly (one causal pass, no cache, no tree) over the committed
+    entries and then along one path, each path entry fed the previous entry's output. tokens (L + 1,):
+    committed and root; features (L, C): the base's. Returns the log-probabilities after the last entry."""
+    layer, base = model.eagle, model.base
+    L = tokens.numel() - 1
+    f, toks = features, tokens[1:]                             # entries 0..L-1: (f_i, t_{i+1}); the last is the root's
+    for t in path_tokens:
+        out = layer(base, f[None], toks[None], torch.arange(f.size(0)))[0]   # (E, C)
+        f, toks = torch.cat([f, out[-1:]]), torch.cat([toks, t.view(1)])
+    out = layer(base, f[None], toks[None], torch.arange(f.size(0)))[0]
+    assert f.size(0) == L + len(path_tokens)
+    return F.log_softmax(base.lm_head(out[-1]).float(), -1)
+
+
+@pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=9, depth=4)], ids=["static", "dynamic"])
+def test_every_drafted_node_equals_its_own_paths_draft(tree):
+    """Node (r1, ..., rd) of a drafted tree carries rank rd of the distribution the layer gives when run
+    along that node's own path alone: the tree mask on the draft cache, the entries' positions and the
+    committed entries (catch-up) are right. Checked after a first step too, once entries were committed."""
+    model = random_eagle(block_size=64)
+    prompt = torch.tensor([[3, 9, 27, 1, 14]])
+    drafter = FeatureDrafter(model, tree, "cpu")
+    state, h = prefill(model.base, prompt, extra=drafter.nodes)
+    drafter.start(state, h)
+    features = h
+    for step in range(2):
+        root = state.logits.argmax()
+        draft = drafter.propose(state, root, 4)
+        tokens = torch.cat([state.tokens[0], root.view(1)])
+        index = {p: i for i, p in enumerate(draft.buffers.node_paths)}
+        for i, path in enumerate(draft.buffers.node_paths[1:], start=1):
+            along = draft.tokens[[index[path[:k]] for k in range(1, len(path))]]
+            logp = chain_logp(model, tokens, features, along)
+            ranked = logp.topk(path[-1] + 1).indices
+            assert draft.tokens[i] == ranked[-1], (f"step {step}, node {path}: drafted {int(draft.tokens[i])}, its "
+                                                   f"own path gives {ranked.tolist()}")
+        # commit the root and the first child, as a step would, and go on from there
+        from verify import tree_decoding
+        hs, logits = tree_decoding(model.base, draft.tokens, draft.buffers, state.cache)
+        state.cache.keep(state.tokens.size(1), torch.tensor([0, 1]))
+        state.tokens = torch.cat([state.tokens, draft.tokens[:2].view(1, -1)], 1)
+        state.logits = logits[1]
+        drafter.commit(state, [0, 1], hs)
+        features = torch.cat([features, hs[:2]])
+
+
+def perfect_clock_layer(model):
+    """On tests/conftest.py's clock model the base's input for a token at position t, wte[x] + wpe[t], is
+    already what lm_head reads to predict t + 1's token: a layer that passes the embedding through
+    (fc = [I, 0], the block's output projections zero) drafts every token right, at every depth."""
+    eagle = EagleModel(model.base)
+    C = model.base.config.n_embd
+    with torch.no_grad():
+        eagle.eagle.fc.weight.copy_(torch.cat([torch.eye(C), torch.zeros(C, C)], 1))
+        eagle.eagle.fc.bias.zero_()
+        for layer in (eagle.eagle.block.attn.c_proj, eagle.eagle.block.mlp[-1]):
+            layer.weight.zero_()
+            layer.bias.zero_()
+    return eagle.eval()
+
+
+@pytest.mark.parametrize("tree", [[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], STATIC,
+                                  DynamicTree(topk=2, nodes=6, depth=4)], ids=["chain", "static", "dynamic"])
+def test_a_perfect_draft_layer_commits_depth_plus_one_tokens_every_step(tree):
+    """With drafts that are always right, every step commits a whole 4-deep path: 5 tokens. A draft fed
+    the wrong position, the wrong feature or the wrong parent's token would be rejected."""
+    eagle = perfect_clock_layer(clock_model())
+    V = eagle.base.config.vocab_size
+    for S in (1, 6):
+        idx = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(S))
+        out, stats = eagle_generate(eagle, idx, 40, tree)
+        assert out[0, S:].tolist() == [(S + i) % V for i in range(40)]
+        assert stats.tokens_per_step == 5.0, stats.accept_lengths
+
+
+@pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=10, depth=4)], ids=["static", "dynamic"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_eagle_equals_plain_greedy_on_a_random_model(tree, seed, device):
+    """An untrained layer drafts mostly wrong tokens: the output is plain greedy's all the same."""
+    model = random_eagle(seed, block_size=64).to(device)
+    idx = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(seed)).to(device)
+    fast, stats = eagle_generate(model, idx, 50, tree)
+    assert_same_tokens(fast, generate(model.base, idx, 50), model.base, stats, 5)
+
+
+@trained_once
+def periodic_eagle():
+    """A base trained on tests/conftest.py's periodic sequence, then an EAGLE layer trained on its
+    features (EAGLE-1's loss): a few seconds."""
+    torch.manual_seed(0)
+    base = GPT(tiny_config())
+    opt = torch.optim.AdamW(base.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        xy = periodic_batch(16, 32, g)
+        loss = F.cross_entropy(base(xy[:, :-1]).flatten(0, 1), xy[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model = EagleModel(base.eval().requires_grad_(False))
+    opt = torch.optim.AdamW(model.eagle.parameters(), lr=3e-3)
+    for _ in range(100):
+        xy = periodic_batch(16, 32, g)                                  # (16, 33)
+        with torch.no_grad():
+            f = base.hidden(xy[:, :-1])                                 # (16, 32, C)
+        loss = eagle_loss(model.eagle, base, f, xy[:, 1:], torch.arange(32))[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=2, nodes=8, depth=4)], ids=["static", "dynamic"])
+def test_a_trained_layer_is_accepted_and_exact(tree, device):
+    """On the periodic model a trained layer drafts right: well over 2 tokens a step; greedy output still
+    equals plain greedy, and with a stop token too."""
+    model = periodic_eagle().to(device)
+    idx = torch.tensor([[3, 17]], device=device)
+    plain = generate(model.base, idx, 40)
+    fast, stats = eagle_generate(model, idx, 40, tree)
+    assert_same_tokens(fast, plain, model.base, stats, 2)
+    assert stats.tokens_per_step > 2.5, stats.accept_lengths
+    stop = plain[0, 20].item()
+    fast, stats = eagle_generate(model, idx, 40, tree, stop_tokens=[stop])
+    assert_same_tokens(fast, generate(model.base, idx, 40, stop_tokens=[stop]), model.base, stats, 2)
+    assert fast[0, -1] == stop
+
+
+def test_bad_trees_are_refused():
+    model = random_eagle()
+    with pytest.raises(ValueError, match="rank 40"):
+        eagle_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (40,)])
+    with pytest.raises(ValueError, match="at least 1"):
+        eagle_generate(model, torch.tensor([[1, 2]]), 5, DynamicTree(topk=0))
+    with pytest.raises(ValueError, match="prefix-closed"):
+        eagle_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (1, 0)])
