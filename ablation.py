@@ -1,7 +1,15 @@
-"""Ablation: Medusa heads that share the base model's lm_head, against the paper's per-head copy.
+"""Ablations on a finished run: heads that share lm_head; a base trained with multi-token prediction.
 
-    python ablation.py --out out      # after `python train_heads.py`; trains out/shared/, prints the table
+    python ablation.py --out out            # after `python train_heads.py`; trains out/shared/, prints the table
+    python ablation.py --out out --mtp 1    # a base with 1 MTP module, trained as long as out/base.pt was
 
+MTP (--mtp D): DeepSeek-V3's modules change pretraining, so they are judged by what they do to the
+base model, at equal training time (a step with the modules costs more, so the MTP base takes fewer):
+the main head's held-out loss, the time per step, and how repetitive greedy text is (distinct
+4-grams). Gloeckle et al. (arXiv 2404.19737, section 3.1) found multi-token prediction hurts small
+models. Trains out/mtpD-equal-time/; writes out/ablation_mtpD.json.
+
+Shared lm_head (the default):
 The paper gives each head its own copy of the vocabulary projection (W2 = a copy of lm_head, then
 trained). The ablation projects through the base model's own frozen lm_head instead, so that a head is only
 its residual block (EAGLE's draft layer reads its tokens through the frozen lm_head this way; Hydra's
@@ -33,10 +41,15 @@ def main(argv=None):
     p.add_argument("--out", default="out", help="the folder `python train_heads.py` wrote (paper heads)")
     p.add_argument("--threads", type=int, help="one CPU thread count (default: every count from 1 to the cores)")
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
+    p.add_argument("--mtp", type=int, metavar="D", help="instead: a base trained with D MTP modules, at equal time")
     a = p.parse_args(argv)
     if a.threads is not None and a.threads < 1:
         raise ValueError(f"--threads {a.threads}: must be at least 1")
+    if a.mtp is not None and a.mtp < 1:
+        raise ValueError(f"--mtp {a.mtp}: must be at least 1")
     device = common.pick_device(a.device)
+    if a.mtp:
+        return mtp_base(a, device)
     paper, ckpt = common.load_model(os.path.join(a.out, "medusa.pt"), device, drafter="medusa")
     if "tree" not in ckpt:
         raise ValueError(f"{a.out}/medusa.pt has no tree yet: run train_heads.py to the end first")
@@ -45,11 +58,7 @@ def main(argv=None):
 
     # The shared-head run reuses the paper run's base model, tokenizer, token ids and distilled text.
     shared_out = os.path.join(a.out, "shared")
-    os.makedirs(shared_out, exist_ok=True)
-    for name in os.listdir(a.out):
-        if name.startswith(("base.pt", "bpe", "train_ids", "val_ids", "distill.pt")):
-            if not os.path.exists(os.path.join(shared_out, name)):
-                shutil.copy2(os.path.join(a.out, name), shared_out)
+    copy_data(a.out, shared_out, ("base.pt", "bpe", "train_ids", "val_ids", "distill.pt"))
     settings = ckpt["settings"]
     run = {k: v for k, v in settings.items() if k != "preset"}
     training.run(common.run_args(settings["preset"], shared_out, device, **{**run, "share_lm_head": True,
@@ -86,6 +95,46 @@ def main(argv=None):
     with open(os.path.join(a.out, "ablation.json"), "w") as f:
         json.dump(rows, f, indent=1, default=str)
     return rows
+
+
+def mtp_base(a, device):
+    """The plain base of a finished run against a base trained with a.mtp MTP modules for the same time."""
+    _, ckpt = common.load_model(os.path.join(a.out, "medusa.pt"), device, drafter="medusa")
+    settings = {k: v for k, v in ckpt["settings"].items() if k != "preset"}
+    plain_ckpt = common.load_checkpoint(os.path.join(a.out, "base.pt"), device=device)
+    seconds = plain_ckpt["metrics"]["seconds"]
+    out = os.path.join(a.out, f"mtp{a.mtp}-equal-time")
+    copy_data(a.out, out, ("bpe", "train_ids", "val_ids"))
+    args = common.run_args(ckpt["settings"]["preset"], out, device, **settings, mtp=a.mtp, threads=a.threads)
+    enc, tokenizer, train_ids, val_ids = common.prepare_data(args)
+    plain = common.build_base(plain_ckpt["base"], device)
+    plain.load_state_dict(plain_ckpt["model"])
+    ratio = training.mtp_step_ratio(args, plain.config, device)  # a step with the modules / one without
+    args.base_steps = max(1, round(args.base_steps / ratio))
+    print(f"ablation: a step with {a.mtp} MTP module{'s' * (a.mtp > 1)} takes {ratio:.2f}x one without: "
+          f"{args.base_steps} steps for the {seconds:.0f}s the plain base trained")
+    mtp, metrics, _ = training.stage_base(args, plain.config, tokenizer, train_ids, val_ids, device)
+    prompts = common.random_prompts(val_ids, args.report_prompts, 32, args.seed + 5, device)
+    rows = {"plain": {"steps": plain_ckpt["step"], "seconds": seconds, **training.base_quality(
+                plain, val_ids, args, device, prompts)},
+            f"mtp {a.mtp}": {"steps": args.base_steps, "seconds": metrics["seconds"], **training.base_quality(
+                mtp, val_ids, args, device, prompts)}}
+    print("\n| base | steps | training time | s per step | held-out loss (main head) | distinct 4-grams, greedy |"
+          "\n|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['steps']} | {r['seconds']:.0f} s | {r['seconds'] / r['steps']:.3f} | {r['val_loss']:.3f} "
+              f"| {r['distinct_4gram']:.2f} |")
+    with open(os.path.join(a.out, f"ablation_mtp{a.mtp}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+def copy_data(src, dst, prefixes):
+    """Files of a finished run (tokenizer, token ids, ...) copied into another run's folder, to be reused."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.startswith(prefixes) and not os.path.exists(os.path.join(dst, name)):
+            shutil.copy2(os.path.join(src, name), dst)
 
 
 if __name__ == "__main__":

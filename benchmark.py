@@ -1,6 +1,6 @@
-"""Medusa against plain KV-cached decoding of the same model, in the same process, interleaved.
+"""Every trained drafter against plain KV-cached decoding of the same model, in the same process, interleaved.
 
-    python benchmark.py --out out                  # re-run the report on a trained out/heads.pt
+    python benchmark.py --out out                  # re-run the report on the drafters in out/ (medusa.pt, eagle.pt)
     python benchmark.py --out out --breakdown      # where a step's time goes, ideal against actual
     python benchmark.py --out out --ops            # kernel-launching ops per step: the GPU proxy
     python benchmark.py --out out --ceiling        # exact sampling: our heads against the best any heads could do
@@ -21,8 +21,9 @@ import measure
 from common import random_prompts
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Re-run the report on a trained checkpoint (out/medusa.pt).")
-    p.add_argument("--out", default="out", help="folder holding medusa.pt and the tokenizer; the report goes here")
+    p = argparse.ArgumentParser(description="Re-run the report on the trained drafters in a folder.")
+    p.add_argument("--out", default="out", help="folder holding medusa.pt (and eagle.pt) and the tokenizer; "
+                                                "the report goes here")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every count from 1 to the cores)")
     p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
     p.add_argument("--prompts", type=int, help="held-out prompts (default: the preset's)")
@@ -41,15 +42,24 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     device = common.pick_device(a.device)
-    model, ckpt = common.load_model(os.path.join(a.out, "medusa.pt"), device, drafter="medusa")
-    if "tree" not in ckpt:
-        raise ValueError(f"{a.out}/medusa.pt has no tree yet: run train_heads.py to the end first")
+    names = [d for d in common.GENERATE if os.path.exists(os.path.join(a.out, f"{d}.pt"))]
+    if not names:
+        raise ValueError(f"no drafter in {a.out}/ (medusa.pt, eagle.pt): run train_heads.py first")
+    models = {d: common.load_model(os.path.join(a.out, f"{d}.pt"), device, drafter=d, base_kind="gpt") for d in names}
+    for d, (_, ckpt) in models.items():
+        if "tree" not in ckpt:
+            raise ValueError(f"{a.out}/{d}.pt has no tree yet: run train_heads.py to the end first")
+    first, ckpt = models[names[0]]
     settings = ckpt["settings"]
     args = common.run_args(settings["preset"], a.out, device, **{k: v for k, v in settings.items() if k != "preset"})
     args.report_prompts = a.prompts or args.report_prompts
     args.report_tokens = a.tokens or args.report_tokens
     enc, _, _, val_ids = common.prepare_data(args)
-    tree = [tuple(p) for p in ckpt["tree"]]
+    if a.ceiling or a.breakdown or a.ops:  # Medusa's own measurements
+        if "medusa" not in models:
+            raise ValueError(f"--ceiling, --breakdown and --ops measure Medusa's heads: {a.out}/medusa.pt is missing")
+        model, ckpt = models["medusa"]
+        tree = [tuple(p) for p in ckpt["tree"]]
     if a.ceiling:  # T = 0.7, as the report's sampled modes
         torch.manual_seed(args.seed)
         prompts = random_prompts(val_ids, a.prompts or 10, 32, args.seed + 7, device)
@@ -59,11 +69,11 @@ def main(argv=None):
         if a.ops:
             return print(measure.format_ops(measure.count_ops(model, prompt, tree, args.report_tokens)))
         return measure.breakdown(model, prompt, tree, args.report_tokens)
-    order = [tuple(p) for p in ckpt["grown_order"]]
-    args.threads = a.threads
-    sampling_tree = [tuple(p) for p in ckpt["sampling_tree"]]
-    report = measure.run_report(model, enc, val_ids, tree, order, ckpt["accuracies"], ckpt["step_costs"], args,
-                                sampling_tree=sampling_tree)
+    prompts = random_prompts(val_ids, args.report_prompts, measure.REPORT_PROMPT, args.seed + 5, device)
+    report = measure.run_report([measure.drafted(d, m, c) for d, (m, c) in models.items()], prompts,
+                                args.report_tokens, measure.thread_counts(device, a.threads))
+    report.update(preset=args.preset, device=str(device),
+                  sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(report["sample"]))
     measure.write_report(report, a.out)
 
 

@@ -15,6 +15,7 @@ import torch
 import data
 from eagle import EagleModel, eagle_generate
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_generate
+from mtp import MTPModel
 
 # Sizes and defaults per preset. seq_len is both the training window and the model's context
 # (block_size), so every position that generation uses has been trained; prompt + new tokens of
@@ -26,14 +27,17 @@ PRESETS = {
     "tiny": dict(vocab_size=320, seq_len=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
                  batch_size=8, base_steps=150, base_lr=3e-3, weight_decay=0.0, distill_prompts=64,
                  distill_len=48, distill_sampled=0.5, head_steps=150, head_lr=3e-3, joint_steps=30,
+                 eagle_steps=150, eagle_lr=3e-3, eagle_depth=4,
                  eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
     "cpu": dict(vocab_size=2048, seq_len=128, n_layer=4, n_head=4, n_embd=256, num_heads=5,
                 batch_size=32, base_steps=1000, base_lr=2e-3, weight_decay=0.0, distill_prompts=768,
                 distill_len=112, distill_sampled=0.5, head_steps=250, head_lr=2e-3, joint_steps=120,
+                eagle_steps=300, eagle_lr=2e-3, eagle_depth=6,
                 eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10),
     "gpu": dict(vocab_size=2048, seq_len=256, n_layer=6, n_head=6, n_embd=384, num_heads=5,
                 batch_size=64, base_steps=800, base_lr=1.5e-3, weight_decay=0.1, distill_prompts=4096,
                 distill_len=192, distill_sampled=0.5, head_steps=600, head_lr=2e-3, joint_steps=400,
+                eagle_steps=800, eagle_lr=2e-3, eagle_depth=6,
                 eval_prompts=128, report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
 }
 
@@ -115,8 +119,9 @@ def sync(device):
 # "config": ...} or {"kind": "smollm2", ...}) and which drafter ("drafter": {"kind": "medusa", "config":
 # ...}, or None for a base alone). Files of an earlier layout are refused with what to rerun.
 FORMAT = 2
-DRAFTER_MODELS = {"medusa": MedusaModel, "eagle": EagleModel}  # drafter kind -> the class holding a base and it
-GENERATE = {"medusa": medusa_generate, "eagle": eagle_generate}  # its decoding: (model, idx, n, tree, T, sampling, ...)
+DRAFTER_MODELS = {"medusa": MedusaModel, "eagle": EagleModel, "mtp": MTPModel}  # kind -> the class holding base and it
+# Each kind's decoding, (model, idx, n, tree, T, sampling, ...): MTP's modules draft through EAGLE's path.
+GENERATE = {"medusa": medusa_generate, "eagle": eagle_generate, "mtp": eagle_generate}
 
 
 def save_checkpoint(path, **contents):
@@ -257,7 +262,8 @@ def file_digest(path):
 # Every flag of train_heads.py that is not a preset size, with its default: a finished run re-opened
 # by another command (benchmark.py, the notebooks) gets the same settings.
 RUN_DEFAULTS = dict(base="gpt", data=None, tokenizer="bpe", val_plays=3, distill=True, joint=False,
-                    share_lm_head=False, resume=False, threads=None, seed=0)
+                    share_lm_head=False, resume=False, threads=None, seed=0, drafters=["medusa"], mtp=0,
+                    mtp_lambda=None)
 
 
 def run_args(preset, out, device="cpu", **settings):

@@ -77,26 +77,26 @@ NOISE = 0.2             # EAGLE-1: uniform noise U(-0.1, 0.1) on the input featu
 TOKEN_LOSS_WEIGHT = 0.1  # EAGLE-1: loss = SmoothL1(feature) + 0.1 x cross-entropy(token distribution)
 
 
-def eagle_loss(layer, base, f, tokens, positions, vocab=None, noise=NOISE, token_weight=TOKEN_LOSS_WEIGHT,
-               lm_head_weight=None):
+def eagle_loss(layer, base, f, tokens, positions, mask=None, vocab=None, noise=NOISE,
+               token_weight=TOKEN_LOSS_WEIGHT):
     """EAGLE-1's training loss on one batch of a frozen base's features.
 
     f (B, T, C): the base's last hidden states at positions (T,); tokens (B, T): the token after each
     (tokens[:, i] = t_{i+1}). Entry i, fed f_i + noise and t_{i+1}, predicts f_{i+1}: SmoothL1 against
     the true f_{i+1}, plus token_weight x the cross-entropy from the base's next-token distribution
     there (softmax of lm_head(f_{i+1}), soft targets) to the draft's. Causal over the T - 1 entries.
-    vocab (V',): the softmax over those token ids only (SmolLM2: the tokens the texts use); with
-    lm_head_weight (V', C) given, that projection (e.g. in another dtype). Returns (loss, feature loss,
-    token loss, top-1 agreement with the base), 0-d tensors."""
+    mask (B, T - 1): the entries that count (rows of different lengths; default all). vocab (V',):
+    both distributions over those token ids only (SmolLM2: the tokens its texts use). Returns (loss,
+    feature loss, token loss, top-1 agreement with the base), 0-d tensors."""
     inputs = f[:, :-1] + (torch.rand_like(f[:, :-1]) - 0.5) * noise                  # (B, T-1, C)
     out = layer(base, inputs, tokens[:, :-1], positions[:-1])                          # (B, T-1, C)
     target = f[:, 1:]                                                                  # (B, T-1, C)
-    feature_loss = F.smooth_l1_loss(out.float(), target.float())
-    w = lm_head_weight if lm_head_weight is not None else \
-        (base.lm_head.weight if vocab is None else base.lm_head.weight[vocab])         # (V', C)
-    logp = F.log_softmax(F.linear(out, w).float(), -1)                                 # (B, T-1, V')
+    mask = torch.ones(out.shape[:2], dtype=torch.bool, device=f.device) if mask is None else mask
+    w = base.lm_head.weight if vocab is None else base.lm_head.weight[vocab]          # (V', C)
+    feature_loss = F.smooth_l1_loss(out[mask].float(), target[mask].float())          # over (M, C)
+    logp = F.log_softmax(F.linear(out[mask], w).float(), -1)                          # (M, V')
     with torch.no_grad():
-        p_base = F.softmax(F.linear(target, w).float(), -1)                            # (B, T-1, V')
+        p_base = F.softmax(F.linear(target[mask], w).float(), -1)                     # (M, V')
     token_loss = -(p_base * logp).sum(-1).mean()
     agree = (logp.argmax(-1) == p_base.argmax(-1)).float().mean()
     return feature_loss + token_weight * token_loss, feature_loss, token_loss, agree
@@ -352,38 +352,64 @@ def eagle_generate(model, idx, max_new_tokens: int, tree, temperature: float = 0
 # ----------------------------------------------------------------------------------------------
 # How often drafts are right, depth by depth: what a tree is grown from
 
+def chain_accuracies(model, seq, start, depth, ranks, features=None, vocab=None):
+    """chain_hits, as frequencies: a[d][r], depth lists of `ranks` floats (0 where no path reached d)."""
+    return [(hits / max(count, 1)).tolist() for hits, count in chain_hits(model, seq, start, depth, ranks, features,
+                                                                          vocab)]
+
+
 @torch.no_grad()
-def chain_accuracies(model, seq, start, depth, ranks):
-    """a[d][r]: how often the layer's rank-r draft at depth d + 1 is the text's own token, given that the
-    drafts before it were within the top `ranks` (teacher-forced: each depth is fed the text's token
-    and the layer's own predicted feature, as drafting along the right path would be). The same table
-    as Medusa's head accuracies, so tree.grow_tree grows a tree from it; for a drafter conditioned on
-    its path, a product of these is the chain rule, not an assumption of independence.
+def chain_hits(model, seq, start, depth, ranks, features=None, vocab=None):
+    """How often the layers' rank-r draft at depth d + 1 is the text's own token, given that the drafts
+    before it were within the top `ranks`: the table tree.grow_tree grows a tree from, as Medusa's head
+    accuracies are. For a drafter conditioned on its path, a product of these is the chain rule, not an
+    assumption of independence.
 
     seq (B, T): text the base wrote (greedy for greedy trees, sampled for exact sampling's); start:
-    the first position whose next token counts (the prompt's last). Runs depth forwards of the layer
-    on a batch cache: the entry for position i at depth d sees the true entries up to i and its own
-    chain. Returns depth lists of `ranks` floats."""
-    base, layer = model.base, model.layers[0]
+    the first position whose next token counts (the prompt's last). Returns, per depth, (hits at each
+    rank (ranks,), positions counted): texts of different lengths are scored one by one and summed."""
+    w = model.base.lm_head.weight if vocab is None else model.base.lm_head.weight[vocab]   # (V', C)
     B, T = seq.shape
-    f = base.hidden(seq)                                                             # (B, T, C)
-    n = T - 1 - depth                                                                # positions with a token depth + 1 ahead
-    cache = KVCache(base.config, batch_size=B, capacity=T * (depth + 1), device=seq.device, dtype=f.dtype, n_layer=1)
-    out = layer(base, f[:, :n], seq[:, 1:n + 1], torch.arange(n, device=seq.device), None, cache)  # (B, n, C)
-    eye = torch.eye(n, dtype=torch.bool, device=seq.device)
-    mask = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()            # the true entries up to i
-    reached = torch.ones(B, n, dtype=torch.bool, device=seq.device)
-    acc = []
-    for d in range(1, depth + 1):                                                   # entries drafting depth d
-        logits = layer.norm_out(out) @ base.lm_head.weight.T                        # (B, n, V)
-        guesses = logits.topk(ranks, -1).indices                                    # (B, n, ranks)
-        actual = seq[:, d + 1:d + 1 + n]                                            # token i + d + 1
-        hits = guesses == actual[..., None]                                         # (B, n, ranks)
-        counted = reached[:, start:]                                                # positions whose path is in reach
-        acc.append((hits[:, start:][counted].float().mean(0)).tolist() if counted.any() else [0.0] * ranks)
+    reached = torch.ones(B, T - 1 - depth, dtype=torch.bool, device=seq.device)
+    found = []
+    for d, (layer, out) in enumerate(chain_outputs(model, seq, depth, features), start=1):
+        guesses = F.linear(layer.norm_out(out), w).topk(ranks, -1).indices      # (B, n, ranks)
+        guesses = guesses if vocab is None else vocab[guesses]
+        hits = guesses == seq[:, d + 1:d + 1 + out.size(1), None]               # token i + d + 1: (B, n, ranks)
+        counted = reached[:, start:]                                            # positions whose path is in reach
+        found.append((hits[:, start:][counted].float().sum(0).cpu(), int(counted.sum())))
         reached &= hits.any(-1)
+    return found
+
+
+@torch.no_grad()
+def chain_outputs(model, seq, depth, features=None):
+    """Teacher-forced drafting along a text: for d = 1 .. depth, (the layer that drafts depth d, its
+    outputs (B, n, C) at every position i = 0 .. n-1, n = T - 1 - depth), the entry at position i being
+    the one a step whose root is t_{i+1} would draft depth d with, had its earlier drafts been the
+    text's tokens. Each depth is fed the text's token and the layer's own predicted feature.
+
+    features (B, T, C): the base's at seq, when already at hand (default: a forward). One forward per
+    depth on a batch cache per layer: layer d (MTP's module d) runs causally over its true entries;
+    past the last layer, the last layer's entry at i sees its true entries up to i and its own chain."""
+    base, layers = model.base, model.layers
+    B, T = seq.shape
+    D = len(layers)
+    f = base.hidden(seq) if features is None else features.to(base.lm_head.weight.dtype)  # (B, T, C)
+    n = T - 1 - depth                                                                # positions with a token depth + 1 ahead
+    caches = [KVCache(base.config, batch_size=B, capacity=T * (depth + 1), device=seq.device, dtype=f.dtype,
+                      n_layer=1) for _ in layers]
+    positions = torch.arange(n, device=seq.device)
+    out = layers[0](base, f[:, :n], seq[:, 1:n + 1], positions, None, caches[0])     # (B, n, C): layer 1's entries
+    eye = torch.eye(n, dtype=torch.bool, device=seq.device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()            # a layer's true entries up to i
+    for d in range(1, depth + 1):                                                   # out: the entries drafting depth d
+        yield layers[min(d, D) - 1], out
         if d == depth:
-            break
-        mask = torch.cat([mask, eye], 1)                                            # (n, n * (d + 1)): + its own entry
-        out = layer(base, out, seq[:, d + 1:d + 1 + n], torch.arange(d, d + n, device=seq.device), mask, cache)
-    return acc
+            return
+        tokens = seq[:, d + 1:d + 1 + n]                                            # the text's token at depth d
+        if d < D:  # layer d + 1 (MTP's next module): along the text its entries are all true ones, causal
+            out = layers[d](base, out, tokens, positions, None, caches[d])
+        else:      # the last layer again, each entry on its own chain: its true entries up to i, then its own
+            mask = torch.cat([mask, eye], 1)                                        # (n, n * (d - D + 2))
+            out = layers[-1](base, out, tokens, positions + d + 1 - D, mask, caches[-1])

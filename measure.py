@@ -10,18 +10,22 @@ count.
 """
 import json
 import os
+import dataclasses
 import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import random_prompts, sync
+from common import sync
 import verify
+import common
+from eagle import DynamicTree, FeatureDrafter, as_tree
 from medusa_mini import HeadStack, MedusaDrafter, generate, generate_candidates, medusa_generate
-from tree import dense_tree, expected_tokens_per_step, gather_paths, grow_tree
+from tree import expected_tokens_per_step, gather_paths, grow_tree
 from verify import evaluate_posterior, prefill, tree_decoding
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares against
@@ -30,7 +34,7 @@ DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report com
 # check that no stage generates past the trained positions read them too.
 STEP_COST_PROMPT, STEP_COST_TOKENS, STEP_COST_REPEATS = 64, 48, 5  # measure_step_costs: prompt, new tokens
 STEP_COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # tree sizes timed (nodes)
-REPORT_PROMPT, REPORT_REPEATS, REPORT_MODES = 32, 3, 8             # run_report: prompt tokens, rounds, modes
+REPORT_PROMPT, REPORT_REPEATS = 32, 3                                # run_report: held-out prompt tokens, rounds
 SWEEP_PROMPTS, SWEEP_REPEATS, SWEEP_SIZES = 5, 2, (1, 2, 4, 8, 16, 32, 64)  # its tree-size sweep
 
 
@@ -54,7 +58,7 @@ def thread_counts(device, threads=None):
 
 @torch.no_grad()
 def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, repeats=STEP_COST_REPEATS,
-                       n_new=STEP_COST_TOKENS):
+                       n_new=STEP_COST_TOKENS, decode=medusa_generate, prompt=None):
     """Time of one Medusa step with the first n nodes of `order`, against one plain decoding step,
     at each thread count.
 
@@ -63,9 +67,11 @@ def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, 
     token, sizes and thread counts interleaved, medians. Returns {threads: {"plain_step_ms",
     "step_ms": {n: ms}, "relative": {n: x plain}}}."""
     sizes = sizes or [n for n in STEP_COST_SIZES if n <= len(order)]
-    prompt = torch.as_tensor(val_ids[:STEP_COST_PROMPT].astype("int64"), device=device).view(1, -1)
+    if prompt is None:  # held-out text, or the prompt given (a chat prompt)
+        prompt = torch.as_tensor(val_ids[:STEP_COST_PROMPT].astype("int64"), device=device)
+    prompt = prompt.view(1, -1)
     for n in sizes:  # warm-up: builds and caches each tree's buffers
-        medusa_generate(model, prompt, 4, order[:n])
+        decode(model, prompt, 4, order[:n])
     runs = {(t, n): [] for t in thread_counts(device, threads) for n in ["plain"] + sizes}
     for _ in range(repeats):
         for t, n in runs:
@@ -74,7 +80,7 @@ def measure_step_costs(model, order, val_ids, device, threads=None, sizes=None, 
                 seconds, _ = timed(lambda: generate(model, prompt, n_new), device)
                 runs[t, n].append(seconds / n_new)
             else:
-                seconds, (_, stats) = timed(lambda: medusa_generate(model, prompt, n_new, order[:n]), device)
+                seconds, (_, stats) = timed(lambda: decode(model, prompt, n_new, order[:n]), device)
                 runs[t, n].append(seconds / stats.steps)
     costs = {}
     for t in thread_counts(device, threads):
@@ -104,43 +110,47 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
     """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
     rotates each round).
 
-    modes: {name: (kind, kwargs)} with kind "plain" or "medusa"; kwargs may name another "model".
-    Returns, per (mode, threads): median
-    seconds per prompt, outputs, and the Medusa stats of the last repeat."""
+    modes: {name: (decode, kwargs)}: decode is generate (plain) or a drafter's (medusa_generate,
+    eagle_generate), called as decode(model, prompt, n_new[, tree], **kwargs); kwargs may bring the
+    mode's own "model" and its "tree". Returns, per (mode, threads): median seconds and new tokens
+    per prompt (fewer than n_new where a stop token ended the text), outputs, and the tree decoding
+    stats of the last repeat (None for plain decoding)."""
     keys = [(name, t) for name in modes for t in threads]
-    runs = {key: {"seconds": [], "outputs": [], "stats": []} for key in keys}
+    runs = {key: {"seconds": [], "tokens": [], "outputs": [], "stats": []} for key in keys}
     for p, prompt in enumerate(prompts):
         idx = prompt.view(1, -1)
         per_prompt = {key: [] for key in keys}
+        made = {key: [] for key in keys}
         for r in range(repeats):
             for name, t in keys[r % len(keys):] + keys[:r % len(keys)]:
-                kind, kwargs = modes[name]
+                decode, kwargs = modes[name]
                 kwargs = dict(kwargs)
-                m = kwargs.pop("model", model)  # a mode may bring its own model (ablation.py)
+                m, tree = kwargs.pop("model", model), kwargs.pop("tree", None)
+                args = (m, idx, n_new) if tree is None else (m, idx, n_new, tree)
                 if t is not None:
                     torch.set_num_threads(t)
                 torch.manual_seed(1000 * p + r)  # sampled modes: the same seeds for every mode
-                if kind == "plain":
-                    seconds, out = timed(lambda: generate(m, idx, n_new, **kwargs), idx.device)
-                    stats = None
-                else:
-                    seconds, (out, stats) = timed(lambda: medusa_generate(m, idx, n_new, **kwargs), idx.device)
+                seconds, result = timed(lambda: decode(*args, **kwargs), idx.device)
+                out, stats = result if isinstance(result, tuple) else (result, None)
                 per_prompt[name, t].append(seconds)
+                made[name, t].append(out.size(1) - idx.size(1))  # fewer than n_new when a stop token ended it
                 if r == repeats - 1:
                     runs[name, t]["outputs"].append(out[0, idx.size(1):].tolist())
                     runs[name, t]["stats"].append(stats)
         for key in keys:
             runs[key]["seconds"].append(statistics.median(per_prompt[key]))
+            runs[key]["tokens"].append(statistics.median(made[key]))
     return runs
 
 
-def summarise(runs, name, baseline, threads, n_new):
-    """One row: mode `name` at each thread count, and at its best against `baseline` at its best."""
-    tokens = n_new * len(runs[name, threads[0]]["seconds"])
-    speed = {t: tokens / sum(runs[name, t]["seconds"]) for t in threads}
-    base_speed = {t: tokens / sum(runs[baseline, t]["seconds"]) for t in threads}
+def summarise(runs, name, baseline, threads, n_new=None):
+    """One row: mode `name` at each thread count, and at its best against `baseline` at its best; speeds
+    over the tokens each side actually generated."""
+    speed = {t: sum(runs[name, t]["tokens"]) / sum(runs[name, t]["seconds"]) for t in threads}
+    base_speed = {t: sum(runs[baseline, t]["tokens"]) / sum(runs[baseline, t]["seconds"]) for t in threads}
     best, base_best = max(speed, key=speed.get), max(base_speed, key=base_speed.get)
     run = runs[name, best]
+    tokens = sum(len(o) for o in run["outputs"])
     row = {"tokens_per_s": speed[best], "threads": best, "tokens_per_s_by_threads": speed,
            "speedup": speed[best] / base_speed[base_best],  # best against best
            "speedup_same_threads": {t: speed[t] / base_speed[t] for t in threads},
@@ -148,79 +158,154 @@ def summarise(runs, name, baseline, threads, n_new):
     if run["stats"][0] is not None:
         steps = sum(s.steps for s in run["stats"])
         row["tokens_per_step"] = tokens / steps
-        # overhead = time of a Medusa step / time of a plain decoding step (one token), same threads
+        # overhead = time of a tree decoding step / time of a plain decoding step (one token), same threads
         row["overhead_per_step"] = (tokens / speed[best] / steps) / (1 / base_speed[best])
     return row
 
 
-def run_report(model, enc, val_ids, chosen, order, accuracies, costs, args, training=None, sampling_tree=None):
-    """The report's measurements: the mode table, the ops count, the tree-size sweep, what was trained.
-    sampling_tree: a tree grown from accuracies on sampled text, with which exact sampling is also measured."""
-    device = next(model.parameters()).device
-    threads = thread_counts(device, getattr(args, "threads", None))
-    n_new = args.report_tokens
-    prompts = random_prompts(val_ids, args.report_prompts, REPORT_PROMPT, args.seed + 5, device)
-    big = order[:64]
-    dense = dense_tree(DENSE_WIDTHS[:len(model.heads)])
-    chosen_name = f"medusa greedy, chosen tree ({len(chosen)} nodes)"
-    modes = {
-        "plain greedy": ("plain", {}),
-        chosen_name: ("medusa", dict(choices=chosen)),
-        f"medusa greedy, grown tree ({len(big)} nodes)": ("medusa", dict(choices=big)),
-        f"medusa greedy, dense {'x'.join(map(str, DENSE_WIDTHS))} ({len(dense)} nodes)": ("medusa", dict(choices=dense)),
-        "plain sampling T=0.7": ("plain", dict(temperature=0.7)),
-        "medusa typical T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="typical")),
-        "medusa exact T=0.7, chosen tree": ("medusa", dict(choices=chosen, temperature=0.7, sampling="exact")),
-    }
-    if sampling_tree is not None:  # exact sampling on a tree grown for it
-        modes[f"medusa exact T=0.7, sampling tree ({len(sampling_tree)} nodes)"] = (
-            "medusa", dict(choices=sampling_tree, temperature=0.7, sampling="exact"))
+def tree_label(tree) -> str:
+    """How a tree reads in a table: its node count, or a dynamic tree's settings."""
+    if isinstance(tree, DynamicTree):
+        return f"dynamic, {tree.nodes} nodes, top-{tree.topk}, {tree.depth} deep"
+    return f"{len(tree)} nodes"
+
+
+@dataclass
+class Drafted:
+    """One trained drafter, as the report measures it."""
+    name: str                     # "medusa", "eagle", "mtp"
+    model: torch.nn.Module        # carries .base and the drafter's weights
+    decode: object                # its decoding function (medusa_generate, eagle_generate)
+    drafter: object               # its Drafter class (MedusaDrafter, FeatureDrafter), for counting ops
+    tree: object                  # the tree chosen for greedy decoding: rank paths, or an eagle.DynamicTree
+    order: list                   # the grown order the chosen tree is a prefix of
+    accuracies: list              # what the order was grown from
+    costs: dict                   # measured step costs (measure_step_costs)
+    sampling_tree: list | None = None                     # grown from accuracies on sampled text
+    extra: dict = field(default_factory=dict)             # more greedy trees to report: label -> tree
+    training: dict = field(default_factory=dict)          # what training it took: parameters, seconds
+
+
+# Modes per drafter in the report (greedy on the chosen tree and its extra trees, typical, exact):
+# the plan's time estimate (training.py) counts them from here.
+REPORT_PLAIN_MODES = 2
+
+
+def report_modes(drafted, sampled=0.7):
+    """The report's modes: plain greedy and sampling, then each drafter's."""
+    modes = {"plain greedy": (generate, {}), f"plain sampling T={sampled}": (generate, dict(temperature=sampled))}
+    for d in drafted:
+        kw = dict(model=d.model)
+        modes[f"{d.name} greedy, chosen tree ({tree_label(d.tree)})"] = (d.decode, dict(kw, tree=d.tree))
+        for label, tree in d.extra.items():
+            modes[f"{d.name} greedy, {label} ({tree_label(tree)})"] = (d.decode, dict(kw, tree=tree))
+        modes[f"{d.name} typical T={sampled}, chosen tree"] = (
+            d.decode, dict(kw, tree=d.tree, temperature=sampled, sampling="typical"))
+        modes[f"{d.name} exact T={sampled}, chosen tree"] = (
+            d.decode, dict(kw, tree=d.tree, temperature=sampled, sampling="exact"))
+        if d.sampling_tree is not None:  # exact sampling on a tree grown for it
+            modes[f"{d.name} exact T={sampled}, sampling tree ({tree_label(d.sampling_tree)})"] = (
+                d.decode, dict(kw, tree=d.sampling_tree, temperature=sampled, sampling="exact"))
+    return modes
+
+
+def modes_per_drafter(extra_trees: int) -> int:
+    """How many report modes a drafter with that many extra greedy trees adds (report_modes)."""
+    return 1 + extra_trees + 3
+
+
+def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
+               repeats=REPORT_REPEATS):
+    """The report's measurements, every drafter interleaved with plain decoding on the same prompts, best
+    against best: the mode table, per-drafter summaries, ops per step, the tree-size sweep of the first
+    drafter. prompts: 1-D token tensors; decode_kwargs (e.g. stop_tokens) go to every mode; peers:
+    more modes measured in the same rounds ({name: (decode, kwargs)}, against plain greedy). Returns
+    the report (the first drafter's figures also at the top level)."""
+    first = drafted[0]
+    decode_kwargs = decode_kwargs or {}
+    modes = {name: (decode, {**kwargs, **decode_kwargs}) for name, (decode, kwargs) in report_modes(drafted).items()}
+    modes.update(peers or {})
     print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
-          f"{n_new} tokens, interleaved")
-    for name, (kind, kwargs) in modes.items():  # warm-up: first calls, tree buffers
-        generate(model, prompts[0].view(1, -1), 4) if kind == "plain" else \
-            medusa_generate(model, prompts[0].view(1, -1), 4, **kwargs)
-    runs = compare(model, prompts, n_new, modes, repeats=REPORT_REPEATS, threads=threads)
+          f"up to {n_new} tokens, interleaved")
+    for decode, kwargs in modes.values():  # warm-up: first calls, tree buffers
+        kwargs = dict(kwargs)
+        m, tree = kwargs.pop("model", first.model), kwargs.pop("tree", None)
+        args = (m, prompts[0].view(1, -1), 4) if tree is None else (m, prompts[0].view(1, -1), 4, tree)
+        decode(*args, **kwargs)
+    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads)
     table = {}
     for name in modes:
         baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
-        table[name] = summarise(runs, name, baseline, threads, n_new)
-        if "greedy" in name and name != "plain greedy":
+        table[name] = summarise(runs, name, baseline, threads)
+        table[name]["drafter"] = next((d.name for d in drafted if name.startswith(d.name + " ")), None)
+        if name != "plain greedy" and "T=0.7" not in name:
             same = [a == b for a, b in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
             table[name]["greedy_identical"] = sum(same) / len(same)
-    ops = count_ops(model, prompts[0].view(1, -1), chosen, n_new)
-
-    # Tree-size sweep: grown trees of several sizes, greedy, against plain greedy in the same rounds,
-    # at the thread count the chosen tree runs best with.
-    best_threads = table[chosen_name]["threads"]
-    sizes = sorted({n for n in SWEEP_SIZES if n <= len(order)} | {len(chosen)})
-    sweep_modes = {"plain greedy": ("plain", {})}
-    sweep_modes.update({n: ("medusa", dict(choices=order[:n])) for n in sizes})
-    sweep_runs = compare(model, prompts[:SWEEP_PROMPTS], n_new, sweep_modes, repeats=SWEEP_REPEATS,
-                         threads=[best_threads])
-    sweep = []
-    for n in sizes:
-        row = summarise(sweep_runs, n, "plain greedy", [best_threads], n_new)
-        sweep.append({"nodes": n, "expected_tokens_per_step": expected_tokens_per_step(order[:n], accuracies),
-                      "tokens_per_step": row["tokens_per_step"], "speedup": row["speedup"]})
+    counts = {d.name: count_ops(d.model, prompts[0].view(1, -1), d.tree, n_new, d.decode, d.drafter) if ops else None
+              for d in drafted}
+    report = {"drafter": first.name, "drafters": {d.name: summarise_drafter(d, table, counts[d.name]) for d in drafted},
+              "modes": table, "threads": threads, "prompts": len(prompts), "new_tokens": n_new}
+    chosen_name = f"{first.name} greedy, chosen tree ({tree_label(first.tree)})"
+    chosen_row, best_threads = table[chosen_name], table[chosen_name]["threads"]
+    report.update(tokens_per_step=chosen_row["tokens_per_step"], speedup=chosen_row["speedup"],
+                  speedup_1_thread=chosen_row["speedup_same_threads"][threads[0]],
+                  greedy_identical=chosen_row["greedy_identical"],
+                  greedy_distinct_4=table["plain greedy"]["distinct_4gram"],  # below ~0.5: greedy text loops
+                  chosen_tree=tree_json(first.tree), accuracies=first.accuracies, step_costs=first.costs,
+                  sampling_tree=None if first.sampling_tree is None else tree_json(first.sampling_tree),
+                  accept_lengths=[a for s in runs[chosen_name, best_threads]["stats"] for a in s.accept_lengths],
+                  sample=runs[chosen_name, best_threads]["outputs"][0], sweep_threads=best_threads)
+    if ops:
+        report.update(ops=counts[first.name], ops_ratio=counts[first.name]["ops_ratio"],
+                      host_reads_per_step=counts[first.name]["host_reads_per_step"])
+    if sweep:  # the first drafter's grown trees of several sizes, greedy, against plain greedy in the same
+        sizes = sorted({n for n in SWEEP_SIZES if n <= len(first.order)} | {len(first.tree)})  # rounds, at the
+        sweep_modes = {"plain greedy": (generate, {})}                                       # chosen tree's threads
+        sweep_modes.update({n: (first.decode, dict(model=first.model, tree=first.order[:n])) for n in sizes})
+        sweep_runs = compare(first.model, prompts[:SWEEP_PROMPTS], n_new, sweep_modes, repeats=SWEEP_REPEATS,
+                             threads=[best_threads])
+        report["tree_size_sweep"] = []
+        for n in sizes:
+            row = summarise(sweep_runs, n, "plain greedy", [best_threads])
+            report["tree_size_sweep"].append({"nodes": n, "tokens_per_step": row["tokens_per_step"],
+                                              "speedup": row["speedup"], "expected_tokens_per_step":
+                                              expected_tokens_per_step(first.order[:n], first.accuracies)})
     torch.set_num_threads(threads[-1])
+    return report
 
-    chosen_row = table[chosen_name]
-    accept_lengths = [a for s in runs[chosen_name, best_threads]["stats"] for a in s.accept_lengths]
-    sample = runs[chosen_name, best_threads]["outputs"][0]
-    return {
-        "tokens_per_step": chosen_row["tokens_per_step"], "speedup": chosen_row["speedup"],
-        "speedup_1_thread": chosen_row["speedup_same_threads"][threads[0]],
-        "greedy_identical": chosen_row["greedy_identical"],
-        "greedy_distinct_4": table["plain greedy"]["distinct_4gram"],  # below ~0.5: greedy text loops
-        "ops_ratio": ops["ops_ratio"], "host_reads_per_step": ops["host_reads_per_step"], "ops": ops,
-        "device": str(device), "threads": threads, "preset": args.preset,
-        "prompts": len(prompts), "new_tokens": n_new, "chosen_tree": [list(p) for p in chosen],
-        "sampling_tree": None if sampling_tree is None else [list(p) for p in sampling_tree],
-        "modes": table, "tree_size_sweep": sweep, "sweep_threads": best_threads, "accept_lengths": accept_lengths,
-        "accuracies": accuracies, "step_costs": costs, "training": training or {},
-        "sample": enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(sample),
-    }
+
+def tree_json(tree):
+    """A tree as a checkpoint stores it: rank paths as lists, a DynamicTree as its settings."""
+    return dataclasses.asdict(tree) if isinstance(tree, DynamicTree) else [list(p) for p in tree]
+
+
+DRAFTER_CLASSES = {"medusa": MedusaDrafter, "eagle": FeatureDrafter, "mtp": FeatureDrafter}
+
+
+def drafted(name, model, ckpt):
+    """A trained drafter as run_report measures it, from its checkpoint (trees, accuracies, step costs)."""
+    extra = {label: as_tree(tree) for label, tree in ckpt.get("extra_trees", {}).items()}
+    metrics = ckpt.get("metrics", {})
+    training = {"seconds": metrics.get("seconds"),
+                "parameters": sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.base.parameters())}
+    return Drafted(name, model, common.GENERATE[name], DRAFTER_CLASSES[name], as_tree(ckpt["tree"]),
+                   [tuple(p) for p in ckpt["grown_order"]], ckpt["accuracies"], ckpt["step_costs"],
+                   [tuple(p) for p in ckpt["sampling_tree"]], extra, training)
+
+
+def summarise_drafter(d, table, ops):
+    """A drafter's row of the comparison: what it cost to train and to run, and what it gives."""
+    def mode(prefix):
+        rows = [(name, r) for name, r in table.items() if name.startswith(prefix)]
+        name, r = max(rows, key=lambda nr: nr[1]["tokens_per_s"])  # its best tree for this mode
+        return {"mode": name, "tokens_per_step": r["tokens_per_step"], "tokens_per_s": r["tokens_per_s"],
+                "speedup": r["speedup"], "step_cost": r["overhead_per_step"], "threads": r["threads"]}
+    greedy = [r for name, r in table.items() if name.startswith(f"{d.name} greedy")]
+    return {"parameters": sum(p.numel() for p in d.model.parameters()) - sum(p.numel() for p in d.model.base.parameters()),
+            "training": d.training, "tree": tree_json(d.tree),
+            "greedy": mode(f"{d.name} greedy"), "typical": mode(f"{d.name} typical"), "exact": mode(f"{d.name} exact"),
+            "greedy_identical": min(r["greedy_identical"] for r in greedy),
+            "ops_ratio": ops and ops["ops_ratio"], "host_reads_per_step": ops and ops["host_reads_per_step"]}
 
 
 # ---------------------------------------------------------------------------------------- ops: the GPU proxy
@@ -265,8 +350,9 @@ class OpCounter(TorchDispatchMode):
 
 
 @torch.no_grad()
-def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
-    """Kernel-launching ops per plain token and per Medusa step, and host reads per step.
+def count_ops(model, prompt, choices, n_new=64, decode=medusa_generate, drafter=MedusaDrafter, **decode_kwargs):
+    """Kernel-launching ops per plain token and per tree decoding step (decode: the drafter's decoding,
+    drafter: its Drafter class), and host reads per step.
 
     Plain: the difference between generating 2m and m tokens (m = n/2), per token. Medusa: a whole generation
     minus its prefill, per step. ops_ratio = Medusa ops per step / plain ops per token; on a GPU,
@@ -278,19 +364,19 @@ def count_ops(model, prompt, choices, n_new=64, **medusa_kwargs):
     if saved is not None:  # counted as a GPU decodes: drafting in the base's dtype (common.draft_cheaply)
         model.draft_dtype = None
         try:
-            return count_ops(model, prompt, choices, n_new, **medusa_kwargs)
+            return count_ops(model, prompt, choices, n_new, decode, drafter, **decode_kwargs)
         finally:
             model.draft_dtype = saved
     n_plain = n_new // 2                                 # plain: generate 2 * n_plain and n_plain tokens
-    medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)  # build the tree buffers and their tables first
+    decode(model, prompt, n_new, choices, **decode_kwargs)  # build the tree buffers and their tables first
 
     def start():  # what a generation does before its first step: the prompt's forward, the drafter's start
-        drafter = MedusaDrafter(model, choices, prompt.device)
-        state, h = prefill(model.base, prompt, extra=drafter.nodes)
-        drafter.start(state, h)
+        first = drafter(model, choices, prompt.device)
+        state, h = prefill(model.base, prompt, extra=first.nodes)
+        first.start(state, h)
     counts = []
     for fn in (lambda: generate(model, prompt, n_plain), lambda: generate(model, prompt, 2 * n_plain), start,
-               lambda: medusa_generate(model, prompt, n_new, choices, **medusa_kwargs)):
+               lambda: decode(model, prompt, n_new, choices, **decode_kwargs)):
         with OpCounter() as counter:
             result = fn()
         counts.append((counter, result))
@@ -324,6 +410,22 @@ def format_table(report):
         "over its plain baseline's best tokens/s (sampled modes against plain sampling)."
 
 
+def format_drafters(report):
+    """The comparison of the drafters: each at its best tree and thread count, against plain decoding."""
+    lines = ["| drafter | parameters | training | greedy: tokens/step, tokens/s, speedup | step cost (x plain) | "
+             "typical T=0.7: speedup | exact T=0.7: tokens/step, speedup | = plain greedy | ops/step (x plain) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, d in report["drafters"].items():
+        g, t, e = d["greedy"], d["typical"], d["exact"]
+        seconds = d["training"].get("seconds")
+        lines.append(f"| {name} | {d['parameters'] / 1e6:.2f}M | " + (f"{seconds:.0f} s" if seconds else "-")
+                     + f" | {g['tokens_per_step']:.2f}, {g['tokens_per_s']:.0f}, **{g['speedup']:.2f}x** | "
+                     f"{g['step_cost']:.2f} | {t['speedup']:.2f}x | {e['tokens_per_step']:.2f}, {e['speedup']:.2f}x | "
+                     f"{d['greedy_identical']:.0%} | " + (f"{d['ops_ratio']:.2f}" if d["ops_ratio"] else "-") + " |")
+    return "\n".join(lines) + "\n\nEach drafter at its best tree (of those in the mode table) and thread count, against " \
+        "plain decoding at its best; step cost = a step's time over a plain step's, drafting included."
+
+
 def format_ops(ops):
     return (f"ops per step (kernel-launching aten ops, views excluded): plain {ops['plain_ops_per_token']:.0f} per "
             f"token, Medusa {ops['medusa_ops_per_step']:.0f} per step = {ops['ops_ratio']:.2f}x; host reads per step "
@@ -339,7 +441,8 @@ def write_report(report, out):
     table = format_table(report)
     md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
           f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; times are medians of "
-          "3 interleaved runs, every mode at every thread count.", "", table, "", format_ops(report["ops"]), "",
+          "3 interleaved runs, every mode at every thread count.", "", format_drafters(report), "", table, "",
+          format_ops(report["ops"]), "",
           "## Tree size sweep (grown trees, greedy)", "",
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
     md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
@@ -358,6 +461,7 @@ def write_report(report, out):
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n" + table)
+    print("\n" + format_drafters(report))
     print("\n" + format_ops(report["ops"]))
     print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")
 
@@ -399,8 +503,8 @@ def plot_report(report, out):
     ks = range(1, len(acc) + 1)
     ax.bar([k - 0.2 for k in ks], [a[0] for a in acc], width=0.4, label="top-1")
     ax.bar([k + 0.2 for k in ks], [sum(a[:5]) for a in acc], width=0.4, label="top-5")
-    ax.set(title="Head accuracy during greedy decoding (held-out prompts)", xlabel="head k (guesses token t+k+1)",
-           ylabel="accuracy", xticks=list(ks), ylim=(0, 1))
+    ax.set(title=f"{report['drafter']}: draft accuracy by depth, greedy decoding (held-out prompts)",
+           xlabel="depth k (the draft of token t+k+1)", ylabel="accuracy", xticks=list(ks), ylim=(0, 1))
     ax.legend()
     save(fig, "head_accuracy.png")
 
@@ -410,6 +514,19 @@ def plot_report(report, out):
     ax.set(title="Accept lengths per step (chosen tree, greedy)", xlabel="tokens accepted after the root",
            ylabel="steps")
     save(fig, "accept_lengths.png")
+
+    drafters = report.get("drafters", {})
+    if len(drafters) > 1:  # the drafters side by side: speedup best against best, per mode
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        width = 0.8 / len(drafters)
+        for i, (name, d) in enumerate(drafters.items()):
+            ax.bar([m + (i - (len(drafters) - 1) / 2) * width for m in range(3)],
+                   [d[mode]["speedup"] for mode in ("greedy", "typical", "exact")], width=width, label=name)
+        ax.axhline(1.0, color="0.5", lw=0.8)
+        ax.set(title=f"Drafters against plain decoding ({report['device']}, best against best)",
+               xticks=range(3), xticklabels=["greedy", "typical T=0.7", "exact T=0.7"], ylabel="x plain decoding")
+        ax.legend()
+        save(fig, "drafters.png")
 
     sweep = report["tree_size_sweep"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

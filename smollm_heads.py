@@ -3,16 +3,19 @@
 Stages, each printing what it measured:
   1. prompts   a few hundred offline instructions: Shakespeare passages (continue, explain, summarise, ...)
                and general questions; whole plays and topics held out for evaluation.
-  2. distill   the model's own greedy answers, 128 prompts at a time; the hidden states decoding computed
-               on the way are kept (the backbone is frozen, so they are computed once, by the same forward
-               that decodes). Where bf16 is native, a bf16 copy of the model writes them, about twice as
-               fast: they are only training data. The held-out answers come from the fp32 model itself.
-  3. heads     Medusa-1: one residual block per head, projected through the frozen, shared lm_head.
-               Decoding drafts with a bf16 copy of the projection, over the tokens the heads were
-               trained on (model.draft_dtype, model.draft_vocab): measured and reported (draft_costs).
-  4. tree      head accuracies on held-out prompts, a grown tree, its size chosen from measured step costs.
-  5. report    plain greedy against Medusa greedy on held-out chat prompts (measure.compare), best
-               thread count against best, and the cost of one forward against its number of new tokens.
+  2. distill   the model's own greedy answers, 128 prompts at a time, each ending at its stop token; the
+               hidden states decoding computed on the way are kept (the backbone is frozen, so they are
+               computed once, by the same forward that decodes). Where bf16 is native, a bf16 copy of the
+               model writes them: they are only training data. The held-out answers come from the fp32
+               model itself.
+  3. drafters  Medusa-1 heads (one residual block each, projected through the frozen, shared lm_head)
+               and an EAGLE layer, each trained on those states; both draft over the tokens they were
+               trained on, in bf16 where it is native (model.draft_dtype, model.draft_vocab).
+  4. trees     accuracies by depth on the held-out answers, a grown tree, its size chosen from measured
+               step costs; EAGLE also drafts EAGLE-2's dynamic tree.
+  5. report    plain decoding against every drafter on held-out chat prompts, each answer to its end
+               (measure.run_report), best thread count against best; transformers' greedy and prompt-lookup
+               decoding of the same GGUF file in the same rounds, where transformers is installed.
 """
 import copy
 import json
@@ -28,7 +31,8 @@ import data
 import measure
 import smollm
 from common import SMOLLM2_BASE, draft_cheaply, drafter_state, native_bf16, read_checkpoint, save_checkpoint, sync
-from medusa_mini import HeadStack, MedusaModel, generate, medusa_loss
+from eagle import DynamicTree, EagleModel, FeatureDrafter, chain_hits, eagle_generate, eagle_loss
+from medusa_mini import MedusaDrafter, MedusaModel, generate, medusa_generate, medusa_loss
 from training import train_loop
 from tree import expected_tokens_per_step, grow_tree
 from verify import KVCache
@@ -197,6 +201,52 @@ def train_heads(model: MedusaModel, h, y, steps=400, lr=3e-3, batch=8, seed=0, s
     return history, vocab
 
 
+def train_eagle(model: EagleModel, h, y, vocab, steps=1600, lr=3e-3, batch=8, seed=0, save=None, resume_from=None):
+    """EAGLE-1 on stored hidden states (eagle.eagle_loss): entry t is fed the feature at t and the token
+    after it (y[:, t]), and predicts the feature at t + 1; both next-token distributions over the V'
+    tokens the texts use (`vocab`). Entries count where the feature at t + 1 exists. h and y stay on
+    the CPU; each batch moves to the layer's device, where products run in bf16 when it is native there."""
+    device = model.base.lm_head.weight.device
+    vocab_d = vocab.to(device)
+    counts = (y[:, :-1] >= 0) & (y[:, 1:] >= 0)                              # (N, L-1): f_{t+1} exists
+    positions = torch.arange(h.size(1), device=device)
+    g = torch.Generator().manual_seed(seed)
+    if resume_from is not None:
+        g.set_state(resume_from["rng"])
+    low = native_bf16(device)
+
+    def loss_fn(step):
+        rows = torch.randint(0, len(h), (batch,), generator=g)
+        f = h[rows].to(device, torch.float32)                                  # (B, L, C)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=low):
+            loss, feature, token, agree = eagle_loss(model.eagle, model.base, f, y[rows].clamp(min=0).to(device),
+                                                     positions, counts[rows].to(device), vocab_d)
+        return loss, {"feature": feature, "top1": agree}
+
+    def save_with_rng(step, opt, history, done):
+        if save is not None:
+            save(step, opt, history, done, g)
+    history, _ = train_loop("eagle", [(list(model.eagle.parameters()), 1.0)], loss_fn, steps, lr, save_with_rng,
+                            resume_from)
+    return history
+
+
+@torch.no_grad()
+def eagle_accuracies(model: EagleModel, h, y, start, depth=6, ranks=10, vocab=None):
+    """eagle.chain_accuracies on distilled held-out answers, one at a time (they differ in length): a[d][r]
+    = how often the layer's rank-r draft at depth d + 1 is the answer's token, teacher-forced along
+    the answer, counted from each answer's first token."""
+    device = model.base.lm_head.weight.device
+    totals = None
+    for row in range(len(h)):
+        n = int((y[row] >= 0).sum())                                          # positions with a next token
+        seq = torch.cat([y.new_zeros(1), y[row, :n]]).to(device)              # seq[t + 1] = y[t]; seq[0] unused
+        found = chain_hits(model, seq[None], int(start[row]), depth, ranks, h[row, None, :n].to(device),
+                           None if vocab is None else vocab.to(device))
+        totals = found if totals is None else [(a + b, m + n_) for (a, m), (b, n_) in zip(totals, found)]
+    return [(hits / max(count, 1)).tolist() for hits, count in totals]
+
+
 # ---------------------------------------------------------------------------------------- 4. tree
 
 @torch.no_grad()
@@ -236,47 +286,20 @@ def forward_costs(base, cache_length=100, sizes=(1, 2, 4, 8, 16, 32, 64), repeat
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-@torch.no_grad()
-def draft_costs(model, vocab, repeats=21):
-    """Milliseconds of one step's drafts (HeadStack: every head at one position), medians at the
-    current threads: the heads and shared projection in fp32, in bf16 (model.draft_dtype), and in
-    bf16 over the vocabulary the heads were trained on (model.draft_vocab)."""
-    h = torch.randn(model.base.config.n_embd, device=model.base.lm_head.weight.device)
-    saved, costs = (model.draft_dtype, model.draft_vocab), {}
-    for name, dtype, subset in (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
-                                (f"bf16 over {len(vocab)} tokens", torch.bfloat16, vocab)):
-        model.draft_dtype, model.draft_vocab = dtype, subset
-        stack, times = HeadStack(model), []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            stack(h, len(model.heads))
-            sync(h.device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        costs[name] = statistics.median(times)
-    model.draft_dtype, model.draft_vocab = saved
-    return costs
-
-
-def best_against_best(model, prompts, n_new, choices, threads, repeats=3):
-    """Plain greedy against Medusa greedy, every thread count, interleaved, medians (measure.compare);
-    rows as measure.summarise makes them: speedup = best Medusa tokens/s over best plain tokens/s."""
-    modes = {"plain greedy": ("plain", {}), f"medusa greedy ({len(choices)}-node tree)": ("medusa", dict(choices=choices))}
-    runs = measure.compare(model, prompts, n_new, modes, repeats, threads=threads)
-    table = {name: measure.summarise(runs, name, "plain greedy", threads, n_new) for name in modes}
-    for name in list(modes)[1:]:
-        same = [a == b for t in threads for a, b in zip(runs[name, t]["outputs"], runs["plain greedy", t]["outputs"])]
-        table[name]["greedy_identical"] = sum(same) / len(same)
-    return table
-
-
 # ---------------------------------------------------------------------------------------- all stages
 
-def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, steps=None, lr=None,
-        report_prompts=None, report_tokens=None):
-    """Every stage, on `device`; writes OUT/medusa.pt (the heads only: the base comes from the wheel),
-    the distillation cache and report.json. None: the defaults below (400 steps at lr 3e-3, 6 report
-    prompts of 64 tokens). resume: continue heads training interrupted by Ctrl-C."""
-    steps, lr = steps or 400, lr or 3e-3
+def best_threads(costs):
+    """The thread counts at which plain decoding or some tree size steps fastest: where each side is at its best."""
+    plain = min(costs, key=lambda t: costs[t]["plain_step_ms"])
+    return sorted({plain} | {min(costs, key=lambda t: costs[t]["step_ms"][n]) for n in costs[plain]["step_ms"]})
+
+
+def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, drafters=("medusa",), steps=None,
+        lr=None, eagle_steps=None, eagle_lr=None, report_prompts=None, report_tokens=None):
+    """Every stage, on `device`; writes OUT/medusa.pt and OUT/eagle.pt (the drafters only: the base comes
+    from the wheel), the distillation cache and report.json. None: the defaults (heads 400 steps at lr
+    3e-3; EAGLE 1600 steps at lr 3e-3; 6 report prompts of up to 64 tokens). resume: continue drafter
+    training interrupted by Ctrl-C."""
     report_prompts, report_tokens = report_prompts or 6, report_tokens or 64
     device = torch.device(device)
     os.makedirs(out, exist_ok=True)
@@ -287,12 +310,10 @@ def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, ste
     fast = native_bf16(device)  # bf16 products are native here: a bf16 copy writes the training text
     reader = smollm.read_gguf()
     base, enc = smollm.load_smollm2(BLOCK_SIZE, reader).to(device), smollm.load_tokenizer(reader)
-    model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
-    for p in base.parameters():
-        p.requires_grad_(False)  # Medusa-1: the backbone and lm_head are frozen
+    base.requires_grad_(False)  # the drafters train on a frozen base
     train_prompts, held_out = instruction_prompts(enc, seed)
-    print(f"SmolLM2-135M-Instruct on {device}; prompts: {len(train_prompts)} for training, {len(held_out)} "
-          f"held out (plays and topics)")
+    print(f"SmolLM2-135M-Instruct on {device}, drafters {', '.join(drafters)}; prompts: {len(train_prompts)} for "
+          f"training, {len(held_out)} held out (plays and topics)")
 
     t0 = time.time()
     cache = os.path.join(out, "distill.pt")
@@ -302,7 +323,7 @@ def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, ste
         print(f"distill: reusing {cache}")
     else:
         # Training data only, so a bf16 copy may write it (faster where bf16 is native); the held-out
-        # answers, which the tree is grown from, come from the fp32 model that decodes.
+        # answers, which the trees are grown from, come from the fp32 model that decodes.
         writer = copy.deepcopy(base).to(torch.bfloat16) if fast else base
         h, y, start = distill(writer, enc, train_prompts)
         del writer
@@ -310,66 +331,122 @@ def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, ste
         save_checkpoint(cache, key=key, train=(h, y, start), held_out=(val_h, val_y, val_start))
         print(f"distill: {len(train_prompts)} answers of the model's own ({h.dtype}), {int((y >= 0).sum()):,} "
               f"positions with hidden states, in {time.time() - t0:.0f}s")
+    vocab = y[y >= 0].unique()  # (V',): the tokens the answers use; the drafters are trained and draft over them
 
-    t0 = time.time()
-    path = os.path.join(out, "medusa.pt")
-    drafter = {"kind": "medusa", "config": {"num_heads": NUM_HEADS, "share_lm_head": True}}
-    settings = {"steps": steps, "lr": lr, "seed": seed}
-    resume_from = None
-    if resume and os.path.exists(path):
-        resume_from = read_checkpoint(path, device)
-        if resume_from.get("done", True) or resume_from.get("settings") != settings:
-            raise ValueError(f"{path} is not an interrupted run with these settings: run without --resume")
-        model.load_state_dict(resume_from["model"], strict=False)
-
-    def save(step, opt, history, done, rng):
-        save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model=drafter_state(model), settings=settings,
-                        optimizer=opt.state_dict(), step=step, history=history, done=done, rng=rng.get_state())
-        if not done:
-            print(f"saved {path}; run again with --resume to continue")
-
-    with torch.enable_grad():
-        history, vocab = train_heads(model, h, y, steps=steps, lr=lr, seed=seed, save=save, resume_from=resume_from)
-    accuracies = head_accuracies(model, val_h, val_y, val_start)
-    print(f"heads: trained in {time.time() - t0:.0f}s (softmax over the {len(vocab)} tokens the answers use); "
-          f"held-out top-1 " + " ".join(f"{a[0]:.2f}" for a in accuracies))
-
-    # Drafts are proposals only: a bf16 copy of the projection reads half the bytes, its rows for the
-    # V' trained tokens a fraction of them, and verification by the fp32 base keeps the output exact
-    # (measured below: draft_costs).
-    draft_cheaply(model, device)
-    model.draft_vocab = vocab.to(device)
-    order = grow_tree(accuracies, 64)
+    stops = smollm.stop_tokens(enc)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p), device=device)
                for p in held_out[::max(1, len(held_out) // report_prompts)]][:report_prompts]
-    costs = measure.measure_step_costs(model, order, prompts[0].cpu().numpy(), device, threads,
-                                       sizes=[2, 4, 6, 8, 12, 16, 24, 32], repeats=2, n_new=32)
-    chosen, tree_threads = measure.choose_tree(order, accuracies, costs)
-    print(f"tree: {len(chosen)} nodes at {tree_threads} threads (expected "
-          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
-          f"{costs[tree_threads]['relative'][len(chosen)]:.2f}x a plain step)")
-    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model=drafter_state(model), draft_vocab=vocab,
-                    tokenizer={"kind": "smollm2"}, tree=[list(p) for p in chosen], accuracies=accuracies,
-                    history=history, settings=settings, done=True)
+    drafted = []
+    for name in drafters:
+        model, seconds, history, accuracies = train_drafter(name, base, h, y, val_h, val_y, val_start, vocab, out,
+                                                            seed, resume, steps if name == "medusa" else eagle_steps,
+                                                            lr if name == "medusa" else eagle_lr)
+        # Drafts are proposals only: a bf16 copy of the drafter's weights and of lm_head's rows for the V'
+        # trained tokens read a fraction of the bytes, and verification by the fp32 base keeps the output exact.
+        draft_cheaply(model, device)
+        model.draft_vocab = vocab.to(device)
+        decode = medusa_generate if name == "medusa" else eagle_generate
+        order = grow_tree(accuracies, 64)
+        costs = measure.measure_step_costs(model, order, None, device, threads, sizes=[2, 4, 6, 8, 12, 16, 24, 32],
+                                           repeats=2, n_new=32, decode=decode, prompt=prompts[0])
+        chosen, tree_threads = measure.choose_tree(order, accuracies, costs)
+        print(f"{name} tree: {len(chosen)} nodes at {tree_threads} threads (expected "
+              f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
+              f"{costs[tree_threads]['relative'][len(chosen)]:.2f}x a plain step)")
+        extra = {} if name == "medusa" else {
+            "dynamic tree": DynamicTree(topk=min(4, len(chosen)), nodes=len(chosen), depth=min(EAGLE_DEPTH, len(chosen)))}
+        path = os.path.join(out, f"{name}.pt")
+        ckpt = read_checkpoint(path, device)
+        ckpt.pop("format")
+        ckpt.update(tree=[list(p) for p in chosen], accuracies=accuracies, step_costs=costs,
+                    grown_order=[list(p) for p in order],
+                    extra_trees={label: measure.tree_json(t) for label, t in extra.items()})
+        save_checkpoint(path, **ckpt)
+        parameters = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in base.parameters())
+        drafted.append(measure.Drafted(name, model, decode, MedusaDrafter if name == "medusa" else FeatureDrafter,
+                                       chosen, order, accuracies, costs, None, extra,
+                                       {"seconds": seconds, "parameters": parameters}))
 
-    threads = measure.thread_counts(device, threads)  # 1 .. the number of cores, or the one asked for
-    print(f"report: plain and Medusa greedy x {len(threads)} thread counts x {len(prompts)} held-out chat "
-          f"prompts x {report_tokens} tokens, interleaved")
-    table = best_against_best(model, prompts, report_tokens, chosen, threads, repeats=2)
+    threads = best_threads(drafted[0].costs) if threads is None else [threads]
+    peers = peer_modes(device)
+    report = measure.run_report(drafted, prompts, report_tokens, threads, {"stop_tokens": stops}, peers,
+                                ops=False, sweep=False, repeats=2)
     curve = forward_costs(base)
-    drafts = draft_costs(model, vocab.to(device))
-    report = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", "device": str(device),
-              "threads": threads, "prompts": len(prompts), "new_tokens": report_tokens,
-              "tree": [list(p) for p in chosen], "accuracies": accuracies, "step_costs": costs, "modes": table,
-              "forward_ms": curve, "draft_dtype": str(model.draft_dtype), "draft_vocab": len(vocab),
-              "draft_ms": drafts, "plain_step_ms": costs[tree_threads]["plain_step_ms"],
-              "total_seconds": time.time() - t_start}
+    report.update(model="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", device=str(device),
+                  forward_ms=curve, draft_vocab=len(vocab), total_seconds=time.time() - t_start, preset="smollm2",
+                  sample=enc.decode(report["sample"]), plain_step_ms=drafted[0].costs[threads[-1]]["plain_step_ms"])
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     print("\n" + measure.format_table(report))
+    print("\n" + measure.format_drafters(report))
     print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
                                                            for n, ms in curve.items()))
-    print("one step's drafts (4 heads, shared projection): " + ", ".join(f"{d} {ms:.1f} ms" for d, ms in drafts.items())
-          + f"; decoding drafts in {model.draft_dtype} over {len(vocab)} tokens")
-    print(f"total {time.time() - t_start:.0f}s; heads and report in {out}/")
+    print(f"total {time.time() - t_start:.0f}s; drafters and report in {out}/")
     return report
+
+
+EAGLE_DEPTH = 6  # how deep EAGLE's trees may grow, and its accuracies are read
+
+
+def train_drafter(name, base, h, y, val_h, val_y, val_start, vocab, out, seed, resume, steps, lr):
+    """One drafter trained on the distillation (or reused from OUT/name.pt when it was trained with the
+    same settings), and its accuracies on the held-out answers. Returns (model, training seconds,
+    history, accuracies)."""
+    path = os.path.join(out, f"{name}.pt")
+    steps = steps or (400 if name == "medusa" else 1600)
+    lr = lr or 3e-3
+    if name == "medusa":
+        model = MedusaModel(base, num_heads=NUM_HEADS, share_lm_head=True).eval()
+        drafter = {"kind": "medusa", "config": {"num_heads": NUM_HEADS, "share_lm_head": True}}
+    else:
+        model = EagleModel(base).eval()
+        drafter = {"kind": "eagle", "config": {}}
+    device = base.lm_head.weight.device
+    settings = {"steps": steps, "lr": lr, "seed": seed, "distill": len(h)}
+    resume_from = None
+    if os.path.exists(path):
+        ckpt = read_checkpoint(path, device)
+        if ckpt.get("settings") == settings and (ckpt.get("done") or resume):
+            model.load_state_dict(ckpt["model"], strict=False)
+            if ckpt.get("done"):
+                print(f"{name}: reusing {path}")
+                return model, ckpt["seconds"], ckpt["history"], ckpt["accuracies"]
+            resume_from = ckpt
+    if resume and resume_from is None:
+        raise ValueError(f"{path} is not an interrupted run with these settings: run without --resume")
+
+    def save(step, opt, history, done, rng, **more):
+        save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model=drafter_state(model), settings=settings,
+                        tokenizer={"kind": "smollm2"}, draft_vocab=vocab, optimizer=opt.state_dict(), step=step,
+                        history=history, done=done, rng=rng.get_state(), **more)
+        if not done:
+            print(f"saved {path}; run again with --resume to continue")
+
+    t0 = time.time()
+    with torch.enable_grad():
+        if name == "medusa":
+            history, _ = train_heads(model, h, y, steps=steps, lr=lr, seed=seed, save=save, resume_from=resume_from)
+        else:
+            history = train_eagle(model, h, y, vocab, steps=steps, lr=lr, seed=seed, save=save, resume_from=resume_from)
+    seconds = time.time() - t0
+    if name == "medusa":
+        accuracies = head_accuracies(model, val_h, val_y, val_start)
+    else:
+        accuracies = eagle_accuracies(model, val_h, val_y, val_start, EAGLE_DEPTH, vocab=vocab)
+    print(f"{name}: trained in {seconds:.0f}s; held-out top-1 by depth " + " ".join(f"{a[0]:.2f}" for a in accuracies))
+    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model=drafter_state(model), settings=settings,
+                    tokenizer={"kind": "smollm2"}, draft_vocab=vocab, history=history, done=True, seconds=seconds,
+                    accuracies=accuracies)
+    return model, seconds, history, accuracies
+
+
+def peer_modes(device):
+    """transformers' greedy generate and its prompt-lookup decoding on the same GGUF file, as report
+    modes, where transformers is installed (it is not a requirement of this project)."""
+    import peers
+    if not peers.available():
+        print("report: transformers is not installed: no peer rows (pip install transformers accelerate)")
+        return {}
+    hf = peers.load_transformers_smollm2(device)
+    return {"transformers greedy": (peers.transformers_greedy, dict(model=hf)),
+            "transformers prompt lookup": (peers.transformers_prompt_lookup, dict(model=hf))}

@@ -8,6 +8,7 @@ finished run through trained_model().
 import copy
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -19,8 +20,11 @@ import measure
 from common import (cpu_has_native_bf16, draft_cheaply, file_digest, gpt_base, load_checkpoint, load_model,
                     load_tokenizer, prepare_data, random_prompts, read_checkpoint, run_args, save_checkpoint,
                     sync, windows)
-from medusa_mini import GPT, GPTConfig, MedusaModel, generate, medusa_loss
-from tree import expected_tokens_per_step, grow_tree
+from common import GENERATE
+from eagle import DynamicTree, EagleModel, FeatureDrafter, chain_accuracies, eagle_loss
+from mtp import MTPModel, mtp_losses, mtp_weight
+from medusa_mini import GPT, GPTConfig, MedusaDrafter, MedusaModel, generate, medusa_loss
+from tree import dense_tree, expected_tokens_per_step, grow_tree
 
 
 # ---------------------------------------------------------------------------------------- device and precision
@@ -149,20 +153,29 @@ def loss_by_half(model: GPT, ids, device, batches=4, skip=8):
 
 
 def stage_base(args, config, tokenizer, train_ids, val_ids, device):
-    """Stage 1: pretrain the GPT, or reuse out/base.pt."""
+    """Stage 1: pretrain the GPT, or reuse out/base.pt. With args.mtp = D, the GPT trains with D
+    multi-token prediction modules (mtp.py): loss = main + lambda / D x the modules' losses. Returns
+    (the GPT, its metrics, the MTPModel holding it and its modules, or None)."""
     path = os.path.join(args.out, "base.pt")
-    model = GPT(config).to(device)
+    D = args.mtp
+    gpt = GPT(config).to(device)
+    model = MTPModel(gpt, D).to(device) if D else gpt
     resume = None
     if os.path.exists(path):
         ckpt = load_checkpoint(path, config, device)
+        if ckpt["base"].get("mtp", 0) != D:
+            raise ValueError(f"{path} holds a base trained with {ckpt['base'].get('mtp', 0)} MTP modules and this run "
+                             f"asks for {D}: an MTP base is another model; use another --out")
         model.load_state_dict(ckpt["model"])
         if ckpt["done"]:
             print(f"base: reusing {path} (val loss {ckpt['metrics']['val_loss']:.3f})")
-            return model, ckpt["metrics"]
+            return gpt.eval(), ckpt["metrics"], model.eval() if D else None
         if not args.resume:
-            raise SystemExit(f"{path} is an unfinished run: pass --resume to continue it, or delete it")
+            raise ValueError(f"{path} is an unfinished run: pass --resume to continue it, or delete it")
         resume = ckpt
-    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.base_steps} steps")
+    print(f"base: {sum(p.numel() for p in gpt.parameters()) / 1e6:.2f}M parameters, {args.base_steps} steps"
+          + (f", {D} MTP module{'s' * (D > 1)} ({sum(p.numel() for p in model.mtp.parameters()) / 1e6:.2f}M)"
+             if D else ""))
     g = torch.Generator().manual_seed(args.seed)
     if resume is not None:
         g.set_state(resume["rng"])  # a resumed run goes on to new batches, not the first ones again
@@ -171,11 +184,16 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
     def loss_fn(step):
         x, y = get_batch(train_ids, args.batch_size, args.seq_len, g, device)
         with autocast(device):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-        return loss, {}
+            if not D:
+                return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()), {}
+            h = gpt.hidden(x)                                                     # (B, T, C)
+            main = F.cross_entropy(gpt.lm_head(h).flatten(0, 1).float(), y.flatten())
+            modules = mtp_losses(model, h, torch.cat([x, y[:, -1:]], 1))          # (D,)
+        weight = mtp_weight(step, args.base_steps, args.mtp_lambda)
+        return main + weight / D * modules.sum(), {"main": main, "mtp": modules.mean()}
 
     def save(step, opt, history, done, metrics=None):
-        save_checkpoint(path, base=gpt_base(config), drafter=None, model=model.state_dict(), tokenizer=tokenizer,
+        save_checkpoint(path, base=gpt_base(config, D), drafter=None, model=model.state_dict(), tokenizer=tokenizer,
                         optimizer=opt.state_dict(), step=step, history=history, done=done, metrics=metrics or {},
                         rng=g.get_state())
         if not done:
@@ -184,14 +202,15 @@ def stage_base(args, config, tokenizer, train_ids, val_ids, device):
     t0 = time.time()
     history, opt = train_loop("base", [(list(model.parameters()), 1.0)], loss_fn,
                               args.base_steps, args.base_lr, save, resume, args.weight_decay)
-    metrics = {"val_loss": estimate_loss(model, val_ids, args, device), "seconds": time.time() - t0,
-               "history": history, "val_loss_halves": loss_by_half(model, val_ids, device)}
+    metrics = {"val_loss": estimate_loss(gpt, val_ids, args, device), "seconds": time.time() - t0,
+               "history": history, "val_loss_halves": loss_by_half(gpt, val_ids, device), "mtp": D}
+    metrics["step_seconds"] = metrics["seconds"] / max(1, args.base_steps - (resume or {}).get("step", 0))
     save(args.base_steps, opt, history, done=True, metrics=metrics)
     first, second = metrics["val_loss_halves"]
     print(f"base: val loss {metrics['val_loss']:.3f} after {metrics['seconds']:.0f}s -> {path}\n"
           f"base: held-out loss {first:.3f} over positions 8-{args.seq_len // 2 - 1}, "
           f"{second:.3f} over {args.seq_len // 2}-{args.seq_len - 1}")
-    return model.eval(), metrics
+    return gpt.eval(), metrics, model.eval() if D else None
 
 
 DISTILL_PROMPT = 16  # tokens of training text each self-distilled continuation starts from
@@ -310,6 +329,103 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
     return model.eval(), metrics
 
 
+def stage_eagle(args, base, config, tokenizer, train_ids, val_ids, device):
+    """Stage 2 for EAGLE: one draft layer on the frozen base (eagle.py), trained on the same self-distilled
+    text as the heads with EAGLE-1's loss: SmoothL1 on the predicted feature plus 0.1 x the
+    cross-entropy from the base's next-token distribution, noise on the input features. The base's
+    features are computed batch by batch (it is frozen: no graph)."""
+    path = os.path.join(args.out, "eagle.pt")
+    model = EagleModel(base).to(device)
+    settings = {k: getattr(args, k) for k in ("preset", "eagle_steps", "eagle_lr", "distill_prompts", "distill_len",
+                                              "distill_sampled", "seed", "data", "tokenizer", "vocab_size", "val_plays")}
+    resume = None
+    if os.path.exists(path):
+        ckpt = load_checkpoint(path, config, device)
+        if ckpt.get("settings") == settings and (ckpt["done"] or args.resume):
+            model.load_state_dict(ckpt["model"])
+            if ckpt["done"]:
+                print(f"eagle: reusing {path}")
+                return model.eval(), ckpt["metrics"]
+            resume = ckpt
+    base.requires_grad_(False)
+    text = distill_text(args, base, train_ids, device)
+    g = torch.Generator().manual_seed(args.seed + 8)
+    if resume is not None:
+        g.set_state(resume["rng"])
+
+    def loss_fn(step):
+        x, y = text_batch(text, args.batch_size, g, device)                  # (B, T): tokens, and the next ones
+        with torch.no_grad(), autocast(device):
+            f = base.hidden(x).float()                                        # (B, T, C): the frozen base's features
+        with autocast(device):
+            loss, feature, token, agree = eagle_loss(model.eagle, base, f, y, torch.arange(x.size(1), device=device))
+        return loss, {"feature": feature, "token": token, "top1": agree}
+
+    def save(step, opt, history, done, metrics=None):
+        save_checkpoint(path, base=gpt_base(config), model=model.state_dict(), drafter={"kind": "eagle", "config": {}},
+                        tokenizer=tokenizer, settings=settings, optimizer=opt.state_dict(), step=step,
+                        history=history, done=done, metrics=metrics or {}, rng=g.get_state())
+        if not done:
+            print(f"saved {path}; run again with --resume to continue")
+
+    t0 = time.time()
+    history, opt = train_loop("eagle", [(list(model.eagle.parameters()), 1.0)], loss_fn, args.eagle_steps,
+                              args.eagle_lr, save, resume)
+    metrics = {"history": history, "seconds": time.time() - t0,
+               "parameters": sum(p.numel() for p in model.eagle.parameters())}
+    print(f"eagle: {metrics['parameters'] / 1e6:.2f}M parameters trained in {metrics['seconds']:.0f}s")
+    save(args.eagle_steps, opt, history, done=True, metrics=metrics)
+    return model.eval(), metrics
+
+
+def stage_mtp(args, model, base_metrics, config, tokenizer):
+    """The MTP drafter: the modules trained with the base (stage_base), saved as mtp.pt, and what they
+    cost: their parameters, and the training time they added (from how much longer a step takes
+    with them, mtp_step_ratio)."""
+    ratio = mtp_step_ratio(args, config, next(model.parameters()).device)
+    added = base_metrics["seconds"] * (1 - 1 / ratio)
+    metrics = {"seconds": added, "parameters": sum(p.numel() for p in model.mtp.parameters()), "step_ratio": ratio}
+    print(f"mtp: {args.mtp} module{'s' * (args.mtp > 1)}, {metrics['parameters'] / 1e6:.2f}M parameters; a training "
+          f"step takes {ratio:.2f}x the time with them: about {added:.0f}s of the base's training")
+    save_checkpoint(os.path.join(args.out, "mtp.pt"), base=gpt_base(config, args.mtp), model=model.state_dict(),
+                    drafter={"kind": "mtp", "config": {"depth": args.mtp}}, tokenizer=tokenizer, done=True,
+                    settings={k: getattr(args, k) for k in ("preset", "mtp", "mtp_lambda", "base_steps", "seed",
+                                                            "data", "tokenizer", "vocab_size", "val_plays")},
+                    metrics=metrics)
+    return model.eval(), metrics
+
+
+def mtp_step_ratio(args, config, device, repeats=3):
+    """How much longer a training step of the base takes with args.mtp MTP modules than without them:
+    steps on a throwaway model and batch, the two alternated, medians."""
+    gpt = GPT(config).to(device)
+    model = MTPModel(gpt, args.mtp).to(device)
+    x = torch.zeros(args.batch_size, args.seq_len + 1, dtype=torch.long, device=device)
+    times = {False: [], True: []}
+    for _ in range(repeats + 1):
+        for with_modules in (False, True):
+            t0 = time.time()
+            with autocast(device):
+                h = gpt.hidden(x[:, :-1])
+                loss = F.cross_entropy(gpt.lm_head(h).flatten(0, 1).float(), x[:, 1:].flatten())
+                if with_modules:
+                    loss = loss + mtp_losses(model, h, x).sum()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            sync(device)
+            times[with_modules].append(time.time() - t0)
+    return statistics.median(times[True][1:]) / statistics.median(times[False][1:])  # the first: warm-up
+
+
+@torch.no_grad()
+def base_quality(base, val_ids, args, device, prompts, n_new=None):
+    """What a base model is worth on held-out text: the main head's loss (estimate_loss's batches) and how
+    repetitive its greedy text is (distinct 4-grams of n_new tokens from each prompt; 1.0: no repeats)."""
+    out = generate(base, prompts, n_new or args.report_tokens)[:, prompts.size(1):]
+    return {"val_loss": estimate_loss(base, val_ids, args, device),
+            "distinct_4gram": statistics.fmean(measure.distinct_4gram_ratio(row) for row in out.tolist())}
+
+
 JOINT_HEADS_WEIGHT = 0.2    # lambda_0, as in the Medusa authors' stage-2 config (axolotl
 #                             examples/medusa/vicuna_7b_qlora_stage2.yml: medusa_heads_coefficient 0.2)
 JOINT_HEADS_LR_MULT = 300.0  # heads' lr over the backbone's. The authors use 4 on a 7B model; measured here
@@ -389,11 +505,11 @@ def measure_head_accuracies(model: MedusaModel, prompts, n_new, ranks, temperatu
 # ---------------------------------------------------------------------------------------- the plan, said up front
 
 def count_parameters(config: GPTConfig, num_heads: int):
-    """(base, heads) parameter counts, from a model built on the meta device (no memory used)."""
+    """(base, heads, EAGLE layer) parameter counts, from models built on the meta device (no memory used)."""
     with torch.device("meta"):
-        model = MedusaModel(GPT(config), num_heads=num_heads)
-    base = sum(p.numel() for p in model.base.parameters())
-    return base, sum(p.numel() for p in model.heads.parameters())
+        base = GPT(config)
+        heads, eagle = MedusaModel(base, num_heads=num_heads).heads, EagleModel(base).eagle
+    return tuple(sum(p.numel() for p in m.parameters()) for m in (base, heads, eagle))
 
 
 def estimate_generation_bytes(config: GPTConfig, rows, length, prompt=DISTILL_PROMPT):
@@ -410,7 +526,7 @@ def estimate_memory(config: GPTConfig, args, dtype=torch.float32):
     activations kept for the backward pass (about 18 numbers per width per token per layer, in the
     autocast dtype; the fused attention kernel keeps no T x T matrix), and the logits with their fp32
     copy and gradient. Generation holds the weights and the KV cache."""
-    N, H = count_parameters(config, args.num_heads)
+    N, H, E = count_parameters(config, args.num_heads)
     B, T, C, V, L, K = args.batch_size, args.seq_len, config.n_embd, config.vocab_size, config.n_layer, args.num_heads
     a = torch.finfo(dtype).bits // 8
     activations = B * T * 18 * C * L * a
@@ -421,7 +537,8 @@ def estimate_memory(config: GPTConfig, args, dtype=torch.float32):
         "distill": 4 * N + estimate_generation_bytes(config, rows, DISTILL_PROMPT + args.distill_len),
         "heads": 4 * N + 16 * H + activations // L + K * (logits + B * T * 3 * C * a),
         "joint": 20 * N + 16 * H + activations + (K + 2) * logits,
-        "tree and report": 4 * (N + H) + estimate_generation_bytes(config, 1, args.seq_len, prompt=args.seq_len),
+        "eagle": 4 * N + 16 * E + activations // L * 2 + 2 * logits,
+        "tree and report": 4 * (N + H + E) + estimate_generation_bytes(config, 1, args.seq_len, prompt=args.seq_len),
     }
 
 
@@ -434,20 +551,25 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
     """Estimated seconds per stage, from two measured steps: training stages scale the base step by
     their FLOPs (6 per parameter per token to train, 2 to run forward, plus attention); the report
     is about one batch-1 decoding step per generated token (a Medusa step costs more but commits more)."""
-    N, H = count_parameters(config, args.num_heads)
-    B, T, C, L = args.batch_size, args.seq_len, config.n_embd, config.n_layer
+    N, H, E = count_parameters(config, args.num_heads)
+    B, T, C, L, V = args.batch_size, args.seq_len, config.n_embd, config.n_layer, config.vocab_size
     attention = 2 * L * T * C  # FLOPs per token, forward: scores and weighted values over ~T/2 keys
     rate = (6 * N + 3 * attention) * B * T / train_step  # FLOP/s
     distill_tokens = args.distill_prompts * (DISTILL_PROMPT + args.distill_len)
+    # Tree costs and the report: batch-1 decoding, every drafter, every thread count.
     step_costs = measure.STEP_COST_REPEATS * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
-    report = args.report_tokens * (args.report_prompts * measure.REPORT_MODES * measure.REPORT_REPEATS
+    extra_trees = {"medusa": 2, "eagle": 1, "mtp": 1}  # training.choose_trees: medusa grown and dense; dynamic
+    modes = measure.REPORT_PLAIN_MODES + sum(measure.modes_per_drafter(extra_trees[d]) for d in args.drafters)
+    report = args.report_tokens * (args.report_prompts * modes * measure.REPORT_REPEATS
                                    + measure.SWEEP_PROMPTS * (len(measure.SWEEP_SIZES) + 2) * measure.SWEEP_REPEATS)
-    report_tokens = len(measure.thread_counts(args.device, args.threads)) * (step_costs + report)  # every thread count
+    report_tokens = len(measure.thread_counts(args.device, args.threads)) * (
+        step_costs * len(args.drafters) + report)
     return {
         "base": args.base_steps * train_step,
         "distill": distill_tokens * (2 * N + attention) / rate * DECODING_SLOWDOWN,
         "heads": args.head_steps * B * T * (2 * N + attention + 6 * H) / rate,
         "joint": args.joint_steps * B * T * (8 * N + 5 * attention + 6 * H) / rate,
+        "eagle": args.eagle_steps * B * T * (2 * N + attention + 6 * E + 8 * C * V) / rate,
         "tree and report": report_tokens * decode_step,
     }
 
@@ -481,9 +603,11 @@ def print_plan(args, config, device):
     dtype = training_dtype(device)
     step, decode = measure_steps(config, args, device)
     memory, seconds = estimate_memory(config, args, dtype), estimate_seconds(config, args, step, decode)
-    stages = ["base", "distill" if args.distill else None, "heads", "joint" if args.joint else None, "tree and report"]
+    stages = ["base", "distill" if args.distill or "eagle" in args.drafters else None,
+              "heads" if "medusa" in args.drafters else None, "joint" if args.joint else None,
+              "eagle" if "eagle" in args.drafters else None, "tree and report"]
     print(f"plan: {device}, training in {str(dtype).removeprefix('torch.')}; one base step measured at {step:.2f}s; "
-          f"memory and other times estimated from parameter and activation counts (train_heads.estimate_*)")
+          f"memory and other times estimated from parameter and activation counts (training.estimate_*)")
     for stage in filter(None, stages):
         print(f"  {stage:15s} peak ~{memory[stage] / 2**30:5.2f} GiB   ~{seconds[stage] / 60:5.1f} min")
 
@@ -498,50 +622,90 @@ def generation_lengths(args):
             "report": 32 + args.report_tokens}   # measure.run_report: 32-token prompts
 
 
+def choose_trees(name, model, decode, args, eval_prompts, val_ids, device):
+    """A drafter's trees for this device: accuracies read on greedy held-out text, a tree grown from them
+    (tree.grow_tree), its size chosen from measured step costs; a tree for exact sampling grown from
+    accuracies on sampled text. Returns a measure.Drafted (without its training figures)."""
+    if name == "medusa":
+        def accuracies(temperature):
+            return measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth, temperature)
+    else:
+        def accuracies(temperature):
+            seq = generate(model.base, eval_prompts, EVAL_NEW, temperature)
+            return chain_accuracies(model, seq, EVAL_PROMPT - 1, args.eagle_depth, args.rank_depth)
+    greedy = accuracies(0.0)
+    order = grow_tree(greedy, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
+    costs = measure.measure_step_costs(model, order, val_ids, device, args.threads, decode=decode)
+    chosen, threads = measure.choose_tree(order, greedy, costs)
+    print(f"{name} tree: {len(chosen)} nodes chosen for {device}, {threads} thread{'s' * (threads != 1)} (expected "
+          f"{expected_tokens_per_step(chosen, greedy):.2f} tokens/step at "
+          f"{costs[threads]['relative'][len(chosen)]:.2f}x the cost of a plain step); top-1 by depth "
+          + " ".join(f"{a[0]:.2f}" for a in greedy))
+    # Exact sampling accepts a node only when the drawn token is its token: a tree for it grows from
+    # accuracies on sampled text (wider, shallower), sized with the same step costs (by node count).
+    torch.manual_seed(args.seed + 6)
+    sampled = accuracies(SAMPLE_T)
+    sampling_order = grow_tree(sampled, args.max_tree)
+    sampling_tree, _ = measure.choose_tree(sampling_order, sampled, costs)
+    print(f"{name} sampling tree: {len(sampling_tree)} nodes for exact sampling at T={SAMPLE_T} (expected "
+          f"{expected_tokens_per_step(sampling_tree, sampled):.2f} tokens/step)")
+    if name == "medusa":
+        extra = {"grown tree": order[:64], "dense " + "x".join(map(str, measure.DENSE_WIDTHS)):
+                 dense_tree(measure.DENSE_WIDTHS[:len(model.heads)])}
+    else:  # EAGLE-2's tree (EAGLE, MTP), as many nodes as the chosen one, drafted anew every step
+        extra = {"dynamic tree": DynamicTree(topk=min(4, len(chosen)), nodes=len(chosen),
+                                             depth=min(args.eagle_depth, len(chosen)))}
+    drafter = MedusaDrafter if name == "medusa" else FeatureDrafter  # MTP's modules draft through EAGLE's path
+    return measure.Drafted(name, model, decode, drafter, chosen, order, greedy, costs, sampling_tree, extra), \
+        dict(grown_order=[list(p) for p in order], accuracies=greedy, step_costs=costs,
+             sampling_order=[list(p) for p in sampling_order], sampled_accuracies=sampled,
+             extra_trees={label: measure.tree_json(tree) for label, tree in extra.items()})
+
+
 def run(args):
     """The whole pipeline for the tiny GPT, as train_heads.py's flags (args) ask; returns the report."""
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"medusa-mini: preset {args.preset} on {args.device} ({torch.get_num_threads()} CPU threads), out {args.out}/")
+    print(f"medusa-mini: preset {args.preset} on {args.device} ({torch.get_num_threads()} CPU threads), "
+          f"drafters {', '.join(args.drafters)}, out {args.out}/")
     t0 = time.time()
     enc, tokenizer, train_ids, val_ids = prepare_data(args)
     config = GPTConfig(vocab_size=enc.n_vocab, block_size=args.seq_len, n_layer=args.n_layer,  # every position trained
                        n_head=args.n_head, n_embd=args.n_embd)
     print_plan(args, config, args.device)
     torch.manual_seed(args.seed)
-    base, base_metrics = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
-    model, head_metrics_ = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids, args.device)
-    draft_cheaply(model, args.device)  # decoding drafts in bf16 where it is native
+    base, base_metrics, mtp_model = stage_base(args, config, tokenizer, train_ids, val_ids, args.device)
+    trained, training = {}, {"base": base_metrics}
+    for name in args.drafters:
+        if name == "medusa":
+            model, training["heads"] = stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
+                                                   args.device)
+        elif name == "eagle":
+            model, training[name] = stage_eagle(args, base, config, tokenizer, train_ids, val_ids, args.device)
+        else:  # the MTP modules trained with the base: nothing more to train
+            model, training[name] = stage_mtp(args, mtp_model, base_metrics, config, tokenizer)
+        trained[name] = draft_cheaply(model, args.device)  # decoding drafts in bf16 where it is native
 
     eval_prompts = random_prompts(val_ids, args.eval_prompts, EVAL_PROMPT, args.seed + 4, args.device)
-    accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth)
-    order = grow_tree(accuracies, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
-    costs = measure.measure_step_costs(model, order, val_ids, args.device, args.threads)
-    chosen, threads = measure.choose_tree(order, accuracies, costs)
-    print(f"tree: {len(chosen)} nodes chosen for {args.device}, {threads} thread{'s' * (threads != 1)} (expected "
-          f"{expected_tokens_per_step(chosen, accuracies):.2f} tokens/step at "
-          f"{costs[threads]['relative'][len(chosen)]:.2f}x the cost of a plain step)")
-    # Exact sampling accepts a node only when the drawn token is its token: a tree for it grows from
-    # accuracies on sampled text (wider, shallower), sized with the same step costs (by node count).
-    torch.manual_seed(args.seed + 6)
-    sampled_accuracies = measure_head_accuracies(model, eval_prompts, EVAL_NEW, args.rank_depth, SAMPLE_T)
-    sampling_order = grow_tree(sampled_accuracies, args.max_tree)
-    sampling_tree, _ = measure.choose_tree(sampling_order, sampled_accuracies, costs)
-    print(f"sampling tree: {len(sampling_tree)} nodes for exact sampling at T={SAMPLE_T} (expected "
-          f"{expected_tokens_per_step(sampling_tree, sampled_accuracies):.2f} tokens/step)")
-    ckpt = load_checkpoint(os.path.join(args.out, "medusa.pt"), device=args.device)
-    ckpt.update(tree=[list(p) for p in chosen], grown_order=[list(p) for p in order], accuracies=accuracies,
-                step_costs=costs, sampling_tree=[list(p) for p in sampling_tree],
-                sampling_order=[list(p) for p in sampling_order], sampled_accuracies=sampled_accuracies)
-    ckpt.pop("format")
-    save_checkpoint(os.path.join(args.out, "medusa.pt"), **ckpt)
+    drafted = []
+    for name, model in trained.items():
+        d, found = choose_trees(name, model, GENERATE[name], args, eval_prompts, val_ids, args.device)
+        metrics = training["heads" if name == "medusa" else name]
+        d.training = {"seconds": metrics["seconds"],  # MTP: what the modules added to the base's training
+                      "parameters": sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in base.parameters())}
+        path = os.path.join(args.out, f"{name}.pt")
+        ckpt = load_checkpoint(path, device=args.device)
+        ckpt.pop("format")
+        ckpt.update(tree=measure.tree_json(d.tree), sampling_tree=[list(p) for p in d.sampling_tree], **found)
+        save_checkpoint(path, **ckpt)
+        drafted.append(d)
 
-    report = measure.run_report(model, enc, val_ids, chosen, order, accuracies, costs, args,
-                                  training={"base": base_metrics, "heads": head_metrics_},
-                                  sampling_tree=sampling_tree)
-    report["total_seconds"] = time.time() - t0
+    prompts = random_prompts(val_ids, args.report_prompts, measure.REPORT_PROMPT, args.seed + 5, args.device)
+    report = measure.run_report(drafted, prompts, args.report_tokens, measure.thread_counts(args.device, args.threads))
+    report.update(preset=args.preset, device=str(args.device), training=training, total_seconds=time.time() - t0,
+                  sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(report["sample"]))
     measure.write_report(report, args.out)
     return report
 

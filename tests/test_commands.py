@@ -35,7 +35,8 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
                       "--out", str(tmp_path), "--head-steps", "7", "--head-lr", "0.01", "--report-prompts", "2",
                       "--report-tokens", "9"])
     assert got == dict(out=str(tmp_path / "smollm2"), device=torch.device("cuda"), threads=1, seed=3, resume=True,
-                       steps=7, lr=0.01, report_prompts=2, report_tokens=9)
+                       drafters=["medusa"], steps=7, lr=0.01, eagle_steps=None, eagle_lr=None, report_prompts=2,
+                       report_tokens=9)
 
 
 @pytest.mark.parametrize("flag", [["--preset", "tiny"], ["--data", "x.txt"], ["--num-heads", "3"], ["--joint"],

@@ -415,11 +415,32 @@ def skewed_eagle():
     return model.eval()
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+@trained_once
+def skewed_mtp():
+    """Two MTP modules on the skewed model's (frozen) base, trained a few seconds on the same Markov chain."""
+    from mtp import MTPModel, mtp_losses
+    torch.manual_seed(0)
+    model = MTPModel(skewed_model().base.requires_grad_(False), depth=2)
+    opt = torch.optim.AdamW(model.mtp.parameters(), lr=1e-2)
+    for _ in range(60):
+        seq = [torch.randint(0, V_SMALL, (64,))]
+        for _ in range(8):
+            seq.append(torch.multinomial(MARKOV[seq[-1]], 1)[:, 0])
+        seq = torch.stack(seq, 1)                                    # (64, 9)
+        with torch.no_grad():
+            h = model.base.hidden(seq[:, :-1])                       # (64, 8, C)
+        loss = mtp_losses(model, h, seq).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
 def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
     """The first three tokens of exact tree sampling at T = 0.7 follow the model's own
     p(x1) p(x2 | x1) p(x3 | x1, x2), whichever drafter proposes the tree (Medusa's heads; EAGLE's
-    layer, on EAGLE-2's dynamic tree, which changes with every step's drafts).
+    layer, on EAGLE-2's dynamic tree, which changes with every step's drafts; two MTP modules).
 
     Three tokens with a depth-2 tree use everything: nodes past depth 1, and the next root drawn
     where a walk stops. False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that
@@ -427,7 +448,7 @@ def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
     from eagle import DynamicTree, eagle_generate
     torch.manual_seed(1)
     T, n = 0.7, 3000
-    model = (skewed_model() if drafter == "medusa" else skewed_eagle()).to(device)
+    model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]().to(device)
     prompt = torch.tensor([[1, 2]], device=device)
     joint = true_joint(model, prompt, T, 3)                                        # (V, V, V)
     assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"

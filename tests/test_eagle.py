@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_same_tokens, clock_model, periodic_batch, tiny_config
-from eagle import DynamicTree, EagleModel, FeatureDrafter, eagle_generate, eagle_loss
+from eagle import DynamicTree, EagleModel, FeatureDrafter, chain_outputs, eagle_generate, eagle_loss
 from medusa_mini import GPT, generate
 from memo import trained_once
+from mtp import MTPModel
 from verify import prefill
 
 STATIC = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
@@ -24,52 +25,51 @@ def random_eagle(seed=0, scale=4.0, **kw):
     return model.eval()
 
 
-@torch.no_grad()
-def chain_logp(model, tokens, features, path_tokens):
-    """The reference: the draft layer run plainly (one causal pass, no cache, no tree) over the committed
-    entries and then along one path, each path entry fed the previous entry's output. tokens (L + 1,):
-    committed and root; features (L, C): the base's. Returns the log-probabilities after the last entry."""
-    layer, base = model.eagle, model.base
-    L = tokens.numel() - 1
-    f, toks = features, tokens[1:]                             # entries 0..L-1: (f_i, t_{i+1}); the last is the root's
-    for t in path_tokens:
-        out = layer(base, f[None], toks[None], torch.arange(f.size(0)))[0]   # (E, C)
-        f, toks = torch.cat([f, out[-1:]]), torch.cat([toks, t.view(1)])
-    out = layer(base, f[None], toks[None], torch.arange(f.size(0)))[0]
-    assert f.size(0) == L + len(path_tokens)
-    return F.log_softmax(base.lm_head(out[-1]).float(), -1)
+def random_mtp(depth, seed=0, scale=4.0, **kw):
+    """An untrained base with `depth` MTP modules, weights scaled up as random_eagle's."""
+    torch.manual_seed(seed)
+    model = MTPModel(GPT(tiny_config(**kw)), depth)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model.eval()
+
+
+MODELS = {"eagle": lambda: random_eagle(block_size=64), "mtp1": lambda: random_mtp(1, block_size=64),
+          "mtp2": lambda: random_mtp(2, block_size=64)}
 
 
 @pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=9, depth=4)], ids=["static", "dynamic"])
-def test_every_drafted_node_equals_its_own_paths_draft(tree):
-    """Node (r1, ..., rd) of a drafted tree carries rank rd of the distribution the layer gives when run
-    along that node's own path alone: the tree mask on the draft cache, the entries' positions and the
-    committed entries (catch-up) are right. Checked after a first step too, once entries were committed."""
-    model = random_eagle(block_size=64)
-    prompt = torch.tensor([[3, 9, 27, 1, 14]])
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_every_drafted_node_equals_its_own_paths_draft(tree, kind):
+    """Node (r1, ..., rd) of a drafted tree carries rank rd of the distribution its layers give when run
+    along that node's own path with no tree: eagle.chain_outputs, a teacher-forced batch pass with the
+    path as the text. So the tree mask on the draft caches, the entries' positions, which layer drafts
+    which depth (MTP's modules), and the committed entries (catch-up) are right. Checked after a first
+    step too, once entries were committed."""
+    from verify import tree_decoding
+    model = MODELS[kind]()
     drafter = FeatureDrafter(model, tree, "cpu")
-    state, h = prefill(model.base, prompt, extra=drafter.nodes)
+    state, h = prefill(model.base, torch.tensor([[3, 9, 27, 1, 14]]), extra=drafter.nodes)
     drafter.start(state, h)
-    features = h
     for step in range(2):
         root = state.logits.argmax()
         draft = drafter.propose(state, root, 4)
-        tokens = torch.cat([state.tokens[0], root.view(1)])
+        tokens = torch.cat([state.tokens[0], root.view(1)])                      # (L + 1,)
         index = {p: i for i, p in enumerate(draft.buffers.node_paths)}
         for i, path in enumerate(draft.buffers.node_paths[1:], start=1):
-            along = draft.tokens[[index[path[:k]] for k in range(1, len(path))]]
-            logp = chain_logp(model, tokens, features, along)
-            ranked = logp.topk(path[-1] + 1).indices
-            assert draft.tokens[i] == ranked[-1], (f"step {step}, node {path}: drafted {int(draft.tokens[i])}, its "
-                                                   f"own path gives {ranked.tolist()}")
+            along = draft.tokens[[index[path[:k]] for k in range(1, len(path))]]  # its ancestors' tokens
+            seq = torch.cat([tokens, along, tokens.new_zeros(1)])[None]           # (1, L + 1 + depth)
+            layer, out = list(chain_outputs(model, seq, len(path)))[-1]           # the entries drafting its depth
+            ranked = F.linear(layer.norm_out(out[0, -1]), model.base.lm_head.weight).topk(path[-1] + 1).indices
+            assert draft.tokens[i] == ranked[-1], (f"{kind}, step {step}, node {path}: drafted "
+                                                   f"{int(draft.tokens[i])}, its own path gives {ranked.tolist()}")
         # commit the root and the first child, as a step would, and go on from there
-        from verify import tree_decoding
         hs, logits = tree_decoding(model.base, draft.tokens, draft.buffers, state.cache)
         state.cache.keep(state.tokens.size(1), torch.tensor([0, 1]))
         state.tokens = torch.cat([state.tokens, draft.tokens[:2].view(1, -1)], 1)
         state.logits = logits[1]
         drafter.commit(state, [0, 1], hs)
-        features = torch.cat([features, hs[:2]])
 
 
 def perfect_clock_layer(model):

@@ -21,23 +21,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One `train_heads.py --preset tiny` run, shared by the tests below."""
+    """One `train_heads.py --preset tiny --mtp 1 --drafters medusa,eagle,mtp` run, shared by the tests below:
+    a base trained with an MTP module, then the three drafters on it, compared (in OUT/mtp1/)."""
     out = tmp_path_factory.mktemp("tiny")
-    report = train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1"])
-    return out, report
+    report = train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1", "--mtp", "1",
+                               "--drafters", "medusa,eagle,mtp"])
+    return out / "mtp1", report
 
 
-def test_tiny_preset_writes_the_report(tiny_run):
-    """report.json with the top-level keys, report.md, and at least two PNGs; greedy output identical."""
+def test_tiny_preset_compares_the_drafters(tiny_run):
+    """report.json with the top-level keys, a mode per drafter and sampling mode, a summary per drafter,
+    report.md with both tables, the drafters' plot; greedy output identical for every drafter and tree."""
     out, _ = tiny_run
     report = json.load(open(out / "report.json"))
     for key in ("tokens_per_step", "speedup", "greedy_identical"):
         assert isinstance(report[key], float)
-    assert report["greedy_identical"] == 1.0
-    assert report["tokens_per_step"] >= 1.0
-    assert len(list(out.glob("*.png"))) >= 2
-    assert "| mode |" in (out / "report.md").read_text()
-    assert len(report["modes"]) == measure.REPORT_MODES  # what the plan's time estimate counts
+    assert report["drafter"] == "medusa" and set(report["drafters"]) == {"medusa", "eagle", "mtp"}
+    modes = report["modes"]
+    assert len(modes) == measure.REPORT_PLAIN_MODES + measure.modes_per_drafter(2) + 2 * measure.modes_per_drafter(1)
+    for drafter in ("medusa", "eagle", "mtp"):
+        for kind in ("greedy, chosen tree", "typical T=0.7", "exact T=0.7, sampling tree"):
+            assert any(name.startswith(f"{drafter} {kind}") for name in modes), (drafter, kind)
+        summary = report["drafters"][drafter]
+        assert summary["greedy_identical"] == 1.0 and summary["greedy"]["tokens_per_step"] >= 1.0
+        assert summary["parameters"] > 0 and summary["training"]["seconds"] > 0
+    assert any(name.startswith("eagle greedy, dynamic tree") for name in modes)
+    mtp = torch.load(out / "mtp.pt", weights_only=True)
+    assert mtp["base"]["mtp"] == 1 and mtp["drafter"] == {"kind": "mtp", "config": {"depth": 1}}
+    assert any(k.startswith("mtp.0.") for k in mtp["model"])  # the modules, saved with the base they trained with
+    assert all(r["greedy_identical"] == 1.0 for r in modes.values() if "greedy_identical" in r)
+    assert (out / "drafters.png").exists() and len(list(out.glob("*.png"))) >= 3
+    text = (out / "report.md").read_text()
+    assert "| mode |" in text and "| drafter |" in text
 
 
 def test_a_tree_is_grown_for_exact_sampling(tiny_run):
@@ -56,25 +71,33 @@ def test_a_tree_is_grown_for_exact_sampling(tiny_run):
     assert f"{len(tree)}-node tree" in result.stdout
 
 
-def test_medusa1_leaves_backbone_and_lm_head_unchanged(tiny_run):
-    """Medusa-1 trains the heads only: every base weight in medusa.pt equals base.pt's."""
+def test_an_mtp_base_is_never_taken_for_a_plain_one(tiny_run):
+    """The MTP run's folder holds a base trained with MTP: a plain run pointed at it refuses it, in one line."""
     out, _ = tiny_run
-    base = torch.load(out / "base.pt", weights_only=True)["model"]
+    with pytest.raises(ValueError, match="trained with 1 MTP modules and this run asks for 0"):
+        train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1"])
+
+
+def test_medusa1_leaves_backbone_and_lm_head_unchanged(tiny_run):
+    """Medusa-1 trains the heads only: every base weight in medusa.pt equals base.pt's (here the GPT of a
+    base trained with an MTP module: base.pt holds both, the GPT's weights under base.)."""
+    out, _ = tiny_run
+    base = {k: v for k, v in torch.load(out / "base.pt", weights_only=True)["model"].items() if k.startswith("base.")}
     heads = torch.load(out / "medusa.pt", weights_only=True)["model"]
-    assert set(base) <= {k.removeprefix("base.") for k in heads}
+    assert base and set(base) <= set(heads)
     for name, tensor in base.items():
-        assert torch.equal(heads["base." + name], tensor), name
+        assert torch.equal(heads[name], tensor), name
     head_w = heads["heads.0.proj.weight"]
-    assert not torch.equal(head_w, base["lm_head.weight"])  # ... while the heads did move
+    assert not torch.equal(head_w, base["base.lm_head.weight"])  # ... while the heads did move
 
 
 def test_second_run_reuses_checkpoints(tiny_run, capsys):
-    """Later runs reuse the base model and heads instead of training again."""
+    """Later runs reuse the base model and the drafters instead of training again."""
     out, _ = tiny_run
-    train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1", "--report-prompts", "1",
-                      "--report-tokens", "8"])
+    train_heads.main(["--preset", "tiny", "--out", str(out.parent), "--mtp", "1", "--drafters", "medusa,eagle,mtp",
+                      "--threads", "1", "--report-prompts", "1", "--report-tokens", "8"])
     printed = capsys.readouterr().out
-    assert "base: reusing" in printed and "heads: reusing" in printed
+    assert "base: reusing" in printed and "heads: reusing" in printed and "eagle: reusing" in printed
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
@@ -142,7 +165,7 @@ def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
     assert ckpt["done"] is False and ckpt["step"] == 40
     monkeypatch.setattr(training, "lr_at", real_lr_at)
-    with pytest.raises(SystemExit, match="--resume"):
+    with pytest.raises(ValueError, match="--resume"):
         train_heads.main(args)
     train_heads.main(args + ["--resume"])
     ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
