@@ -20,8 +20,8 @@ from mtp import MTPModel
 # Sizes and defaults per preset. seq_len is both the training window and the model's context
 # (block_size), so every position that generation uses has been trained; prompt + new tokens of
 # every stage must fit in it (train_heads.generation_lengths, tested).
-# cpu: the whole run in under 15 minutes on 2 cores (recipe measured: README).
-# gpu: about 8 passes over the 1.6M training tokens, with weight decay (see README); minutes on a laptop GPU.
+# cpu: sized for a whole run in under 15 minutes on 2 cores (the runs: docs/results.md).
+# gpu: about 8 passes over the 1.6M training tokens, with weight decay; minutes on a laptop GPU.
 # tiny: under a minute, for tests and notebooks in CI.
 PRESETS = {
     "tiny": dict(vocab_size=320, seq_len=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,

@@ -12,7 +12,7 @@ tests/private/, listed under `private`) are graded when present and announced wh
 also grades a later assignment whose functions are still stubs in this copy waits for that
 assignment ("LATER"): it cannot pass before them. Exit status 0 only when every graded test passes;
 a mistake on the command line prints one line, `error: ...`, and exits with 2.
-See the README, "For instructors".
+See docs/instructors.md.
 """
 import argparse
 import json

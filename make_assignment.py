@@ -10,7 +10,7 @@ hint), so it holds no solution the student has not written yet, and grade.py gra
 that do not need them. A stub keeps its decorators, signature and docstring; its body becomes one
 line, `raise NotImplementedError("Assignment N: <nudge>")`. Functions are found by name with `ast`
 and rewritten by line range, so the rest of every file is copied byte for byte and the source
-carries no solution markers. See the README, "For instructors".
+carries no solution markers. See docs/instructors.md.
 """
 import argparse
 import ast

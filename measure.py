@@ -223,8 +223,8 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
     the report (the first drafter's figures also at the top level)."""
     first = drafted[0]
     decode_kwargs = decode_kwargs or {}
-    modes = {name: (decode, {**kwargs, **decode_kwargs}) for name, (decode, kwargs) in report_modes(drafted).items()}
-    modes.update(peers or {})
+    modes = {**report_modes(drafted), **(peers or {})}
+    modes = {name: (decode, {**kwargs, **decode_kwargs}) for name, (decode, kwargs) in modes.items()}
     print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
           f"up to {n_new} tokens, interleaved")
     for decode, kwargs in modes.values():  # warm-up: first calls, tree buffers
@@ -571,7 +571,7 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
     real decoding (means over the steps). Ideal: on the same cache, the tree forward alone, the
     heads alone and the bookkeeping (candidates, acceptance, cache and token updates) alone, each
     warm and in isolation (medians of 25). The two are measured in alternating rounds, so that a
-    machine whose speed drifts (a shared VM's does, by tens of percent within a minute) slows both
+    machine whose speed drifts (a shared VM's does, within a minute) slows both
     alike: medians over rounds, and a ratio is the median of the rounds' ratios. Returns the
     figures; prints the table."""
     device = prompt.device

@@ -32,7 +32,7 @@ from tree import dense_tree, expected_tokens_per_step, grow_tree
 def training_dtype(device) -> torch.dtype:
     """The autocast dtype for training: bf16 on a CUDA GPU with bf16 tensor cores; fp16 (with a
     GradScaler) on one without (a T4 only emulates bf16, slowly); bf16 on a CPU with bf16
-    instructions (measured: a lower loss for the same time, README); fp32 elsewhere (MPS included)."""
+    instructions (native bf16 products there); fp32 elsewhere (MPS included)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
@@ -428,8 +428,8 @@ def base_quality(base, val_ids, args, device, prompts, n_new=None):
 
 JOINT_HEADS_WEIGHT = 0.2    # lambda_0, as in the Medusa authors' stage-2 config (axolotl
 #                             examples/medusa/vicuna_7b_qlora_stage2.yml: medusa_heads_coefficient 0.2)
-JOINT_HEADS_LR_MULT = 300.0  # heads' lr over the backbone's. The authors use 4 on a 7B model; measured here
-#                             (README), 4-20 moved this 3.7M backbone enough to cost the heads accuracy
+JOINT_HEADS_LR_MULT = 300.0  # heads' lr over the backbone's. The authors use 4 on a 7B model; this small
+#                             backbone is kept nearly still (docs/results.md has the Medusa-2 run)
 
 
 def train_joint(args, model, text, val_ids, device, val_before):
@@ -461,8 +461,7 @@ def train_joint(args, model, text, val_ids, device, val_before):
         print("Medusa-2 is not resumable: run again to train the heads and Medusa-2 anew")
 
     t0 = time.time()
-    # Measured on the cpu preset (README), heads at head_lr / 2 = 1e-3: a backbone at about 1/300 of that
-    # (3e-6) raised head top-1 on greedy text by 0.06, at 1e-5 by 0.02, frozen by 0.01; at 5e-5 it lowered it.
+    # Heads at half the Medusa-1 rate, the backbone at 1/JOINT_HEADS_LR_MULT of that.
     history, _ = train_loop("joint", [(list(model.base.parameters()), 1.0), (head_params, JOINT_HEADS_LR_MULT)],
                             loss_fn, args.joint_steps, args.head_lr / 2 / JOINT_HEADS_LR_MULT, save)
     seconds = time.time() - t0
@@ -542,8 +541,8 @@ def estimate_memory(config: GPTConfig, args, dtype=torch.float32):
     }
 
 
-# Batched one-token forwards reach about a third of a training step's FLOP rate: on the 2-core VM the
-# cpu preset generated 110,592 tokens in 19 s, where its training-step rate predicts 6 s.
+# Batched one-token forwards reach a fraction of a training step's FLOP rate: a factor read off cpu-preset
+# runs, for a plan that is only an estimate.
 DECODING_SLOWDOWN = 3
 
 

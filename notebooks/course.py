@@ -32,7 +32,7 @@ def load():
     """(model, tokenizer, checkpoint, run settings, training ids, held-out ids), and a line about each.
 
     The model is the one `python train_heads.py` wrote to out/medusa.pt; in fast mode, or before that
-    run has finished, the tiny preset, trained once (about 20 s on a CPU) and kept in out/tiny/.
+    run has finished, the tiny preset, trained once (seconds on a CPU) and kept in out/tiny/.
     The held-out ids are the plays train_heads.py evaluated on, read back from its token cache."""
     print(f"python {platform.python_version()}, torch {torch.__version__}, matplotlib {matplotlib.__version__}")
     print(f"device: {device}, {torch.get_num_threads()} CPU thread; fast mode: {FAST}")
