@@ -136,25 +136,34 @@ class _StaticDepth:
     rank_index: torch.Tensor    # (n_d,) each depth-d node's slot in the (E_{d-1} * K_d) top-k of the entries above
     expand: torch.Tensor        # (E_d,) which depth-d nodes have children: their entries draft depth d + 1
     parent_entry: torch.Tensor  # (E_d,) for those, their parent's entry among depth d-1's (the root: 0)
+    mask: torch.Tensor          # (E_d, P_d + E_d) additive: what each entry sees of its layer's tree entries
 
 
 @functools.lru_cache(maxsize=256)
-def _static_plan(node_paths: tuple, device: str):
-    """For a fixed tree (node paths in node order), the index tensors that draft it depth by depth:
-    ([top-k needed at each depth], [_StaticDepth for depths 1..D])."""
+def _static_plan(node_paths: tuple, layers: int, device: str):
+    """For a fixed tree (node paths in node order) drafted by `layers` layers, the index tensors and the
+    tree masks that draft it depth by depth: ([top-k needed at each depth], [_StaticDepth for depths
+    1..D]). An entry sees the entries of its ancestors in the same layer cache, and itself."""
     depth = max(len(p) for p in node_paths)
     by_depth = [[p for p in node_paths if len(p) == d] for d in range(depth + 1)]
     entry = {(): 0}  # a node with children -> its entry's index among its depth's entries
+    seen = []        # the tree entries already in the current layer's cache, as node paths
     topk, plan = [], []
+    tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
     for d in range(1, depth + 1):
         nodes = by_depth[d]
         K = max(p[-1] for p in nodes) + 1
         parents = {p[:-1] for p in by_depth[d + 1]} if d < depth else set()
         expand = [i for i, p in enumerate(nodes) if p in parents]
-        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        if d > 1 and min(d, layers - 1) != min(d - 1, layers - 1):
+            seen = []  # this depth's entries go to another layer (MTP's next module)
+        new = [nodes[i] for i in expand]
+        visible = torch.tensor([[q == p[:len(q)] for q in seen + new] for p in new], dtype=torch.bool)  # (E, P+E)
+        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf")).to(device)
         plan.append(_StaticDepth(tensor([entry[p[:-1]] * K + p[-1] for p in nodes]), tensor(expand),
-                                 tensor([entry[nodes[i][:-1]] for i in expand])))
-        entry = {nodes[i]: e for e, i in enumerate(expand)}
+                                 tensor([entry[nodes[i][:-1]] for i in expand]), mask))
+        entry = {p: e for e, p in enumerate(new)}
+        seen += new
         topk.append(K)
     return topk, plan
 
@@ -242,24 +251,23 @@ class FeatureDrafter(Drafter):
             self.committed.append(cache.length)
         return root_out
 
-    def _expand(self, d, parent_out, node_tokens, parent_rows, L):
+    def _expand(self, d, parent_out, node_tokens, mask, L):
         """The entries of E nodes at depth d >= 1, in one forward: fed their parents' entry outputs (E, C)
-        and their own tokens (E,); parent_rows (E, P): their parents' mask rows over the P tree entries
-        already in this layer. Returns (outputs (E, C), log-probabilities (E, V'), the new rows (E, P + E))."""
+        and their own tokens (E,); mask (E, P + E): what each sees of the P tree entries already in this
+        layer and of the new ones (its ancestors' and itself), bool or additive; the layer's committed
+        entries are visible to all. Returns (outputs (E, C), log-probabilities (E, V'))."""
         index, offset = self._layer_of(d)
-        cache, E = self.caches[index], node_tokens.numel()
-        S = self.committed[index]
-        rows = torch.cat([parent_rows, torch.eye(E, dtype=torch.bool, device=self.device)], 1)     # (E, P+E)
-        mask = torch.cat([torch.ones(E, S, dtype=torch.bool, device=self.device), rows], 1)        # (E, S+P+E)
-        anchors = torch.full((E,), L - 1 + offset, device=self.device)
-        out = self.run[index](self.base, parent_out[None], node_tokens[None], anchors, mask, cache)[0]
-        return out, self._logp(index, out), rows
+        anchors = torch.full((node_tokens.numel(),), L - 1 + offset, device=self.device)
+        out = self.run[index](self.base, parent_out[None], node_tokens[None], anchors, mask, self.caches[index])[0]
+        return out, self._logp(index, out)
 
     def _rows_for(self, d, rows, parents):
-        """The parents' rows, or none when depth d's entries go to another layer than their parents' (MTP)."""
-        if d > 1 and self._layer_of(d)[0] == self._layer_of(d - 1)[0]:
-            return rows[parents]
-        return torch.zeros(len(parents), 0, dtype=torch.bool, device=self.device)
+        """The new entries' rows over this layer's tree entries: their parents' rows, then themselves (E, P+E);
+        none of the parents' when depth d's entries go to another layer than their parents' (MTP)."""
+        if not (d > 1 and self._layer_of(d)[0] == self._layer_of(d - 1)[0]):
+            rows = rows[:, :0]
+        own = torch.eye(len(parents), dtype=torch.bool, device=self.device)
+        return torch.cat([rows[parents], own], 1)
 
     def _tokens(self, ids):
         return ids if self.vocab is None else self.vocab[ids]  # drafting-vocabulary slots -> token ids
@@ -277,14 +285,13 @@ class FeatureDrafter(Drafter):
 
     def _static(self, root, root_out, buffers, L):
         """A fixed tree: node (r1, ..., rd) carries rank rd of the distribution drafted for its parent."""
-        topk, plan = _static_plan(tuple(buffers.node_paths), str(self.device))
+        topk, plan = _static_plan(tuple(buffers.node_paths), len(self.layers), str(self.device))
         ranks = self._logp(0, root_out[None]).topk(topk[0], -1).indices    # (1, K_1): the root's children
-        out, rows, tokens = root_out[None], torch.zeros(1, 0, dtype=torch.bool, device=self.device), [root.view(1)]
+        out, tokens = root_out[None], [root.view(1)]
         for d, step in enumerate(plan, start=1):
             tokens.append(self._tokens(ranks.flatten()[step.rank_index]))   # (n_d,) this depth's tokens
             if d < len(plan):                                                 # draft depth d + 1
-                out, logp, rows = self._expand(d, out[step.parent_entry], tokens[-1][step.expand],
-                                               self._rows_for(d, rows, step.parent_entry), L)
+                out, logp = self._expand(d, out[step.parent_entry], tokens[-1][step.expand], step.mask, L)
                 ranks = logp.topk(topk[d], -1).indices                       # (E_d, K_{d+1})
         tree_tokens = torch.cat(tokens)                                      # (N,): node order is depth by depth
         candidates = torch.where(buffers.padding, -1, tree_tokens[buffers.gather_index])  # (P, L)
@@ -295,17 +302,19 @@ class FeatureDrafter(Drafter):
         k = self.tree.topk
         top = self._logp(0, root_out[None])[0].topk(k)                       # the root's k children
         values, ids, frontiers = [top.values.double()], [top.indices], []    # per depth: path log-probs, slots
-        out, rows = root_out[None].expand(k, -1), torch.zeros(k, 0, dtype=torch.bool, device=self.device)
-        frontier = torch.arange(k, device=self.device)                       # depth 1: all of the root's children
+        out, rows = root_out[None].expand(k, -1), torch.zeros(1, 0, dtype=torch.bool, device=self.device)
+        frontier, parents = torch.arange(k, device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)
         for d in range(1, depth):                                            # draft depth d + 1
-            out, logp, rows = self._expand(d, out, self._tokens(ids[-1][frontier]), rows, L)
+            rows = self._rows_for(d, rows, parents)                          # (k, P + k)
+            out, logp = self._expand(d, out, self._tokens(ids[-1][frontier]), rows, L)
             top = logp.topk(k, -1)                                           # (k, k): each node's k best
             children = values[-1][frontier, None] + top.values.double()     # (k, k): the paths' log-probs
             values.append(children.flatten())                                # (k*k,) entry-major
             ids.append(top.indices.flatten())
             frontier = values[-1].topk(k).indices                            # the next depth's k best
             frontiers.append(frontier)
-            out, rows = out[frontier // k], self._rows_for(d + 1, rows, frontier // k)
+            parents = frontier // k                                          # their parents' entries
+            out = out[parents]
         # The best `nodes` drafted; a tiny penalty per depth keeps a parent ahead of a child of equal value
         # (a probability of 1 in float32: the values are float64, where the penalty is exact).
         flat = torch.cat([v - 1e-6 * d for d, v in enumerate(values)])

@@ -11,6 +11,7 @@ count.
 import json
 import os
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -669,6 +670,46 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
             "ideal_ms": {name: med[name] for name in ideal_parts}, "ideal_step_ms": med["ideal step"],
             "plain_alone_ms": med["plain alone"], "actual_over_ideal": med["ratio"],
             "generation_over_ideal": med["generation ratio"], "rounds": per_round}
+
+
+# ---------------------------------------------------------------------------------------- exact sampling, checked
+
+@torch.no_grad()
+def true_joint(model, prompt, temperature, n, vocab):
+    """p(x1, ..., xn | prompt) at the temperature, from the model itself, for a model with a `vocab`-token
+    vocabulary small enough to enumerate every prefix: (vocab,) * n, float64."""
+    base = getattr(model, "base", model)
+    joint = torch.ones(1, dtype=torch.double)
+    for k in range(n):
+        prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=k)),
+                                dtype=torch.long, device=prompt.device).view(vocab**k, k)  # (V^k, k)
+        seqs = torch.cat([prompt.expand(len(prefixes), -1), prefixes], 1)                 # (V^k, S+k)
+        p = torch.softmax(base(seqs)[:, -1].double() / temperature, -1)                   # (V^k, V)
+        joint = (joint[:, None] * p.cpu()).flatten()
+    return joint.view((vocab,) * n)
+
+
+def chi_square(counts, probs):
+    """Pearson's chi-square test of draws against the probabilities they should follow: counts and probs
+    of the same shape. Cells expecting fewer than 5 draws are pooled into one, when there are any.
+
+    Returns (p-value, the cell (an index into probs) contributing most, its observed and expected
+    counts). A p-value far below the false alarm rate chosen (1e-3 in the tests) says the draws do not
+    follow the probabilities."""
+    n = counts.sum()
+    expected = probs.flatten().double() * n
+    observed = counts.flatten().double()
+    contribution = (observed - expected) ** 2 / expected
+    small = expected < 5
+    worst = int(contribution.masked_fill(small, -1).argmax())
+    if small.any():  # no pooled cell when none is small: it would be 0 / 0
+        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+        observed = torch.cat([observed[~small], observed[small].sum().view(1)])
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = len(expected) - 1
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
+    cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
+    return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
 
 
 def accepted_depth(ranks, tree):

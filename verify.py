@@ -84,9 +84,10 @@ def cache_mask(attn_mask, T: int, cache, dtype, device):
     additive (0 = may attend, -inf = may not), or None where the kernel needs none.
 
     attn_mask (T, T) among the new tokens, bool (True = may attend) or additive; every new token also
-    sees all S cached ones. Or (T, S+T): which cached entries each new token sees too (a drafter's own
-    cache holds entries of other branches). None: causal. None comes back for one new token after a
-    cache (it sees everything) and for a causal pass without a cache (the fused causal kernel)."""
+    sees all S cached ones. A wider one, (T, K) with K <= S+T, covers the last K entries: the cached
+    ones before them are visible (a drafter's cache holds its tree's entries of other branches after
+    its committed ones). None: causal. None comes back for one new token after a cache (it sees
+    everything) and for a causal pass without a cache (the fused causal kernel)."""
     if attn_mask is None and (cache is None or T == 1):
         return None
     if attn_mask is None:
@@ -94,9 +95,7 @@ def cache_mask(attn_mask, T: int, cache, dtype, device):
     if attn_mask.dtype == torch.bool:  # additive: attention would convert a bool mask in every layer
         attn_mask = torch.zeros(attn_mask.shape, device=device).masked_fill(~attn_mask, float("-inf"))
     S = cache.length if cache is not None else 0
-    if attn_mask.size(-1) == S + T:
-        return attn_mask.to(dtype)
-    return F.pad(attn_mask.to(dtype), (S, 0), value=0.0)          # (T, T) -> (T, S+T): the cache is visible
+    return F.pad(attn_mask.to(dtype), (S + T - attn_mask.size(-1), 0), value=0.0)  # (T, K) -> (T, S+T): the rest visible
 
 
 def sample_token(logits, temperature: float = 0.0):

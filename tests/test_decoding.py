@@ -1,5 +1,4 @@
 """Medusa decoding against plain decoding: greedy equality, typical acceptance, exact sampling, errors."""
-import itertools
 import math
 
 import pytest
@@ -9,6 +8,7 @@ import torch.nn.functional as F
 from conftest import PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
 from memo import trained_once
 from medusa_mini import GPT, MedusaModel, generate, medusa_generate, medusa_loss
+from measure import chi_square, true_joint
 from verify import evaluate_posterior, sample_tree_walk
 from tree import build_tree_buffers, dense_tree
 
@@ -360,39 +360,6 @@ def skewed_model():
     return model.eval()
 
 
-@torch.no_grad()
-def true_joint(model, prompt, T, n):
-    """p(x1, ..., xn | prompt) at temperature T, from the model itself: (V,) * n."""
-    joint = torch.ones(1, dtype=torch.double)
-    for k in range(n):
-        prefixes = torch.tensor(list(itertools.product(range(V_SMALL), repeat=k)),
-                                dtype=torch.long, device=prompt.device).view(V_SMALL**k, k)  # (V^k, k)
-        seqs = torch.cat([prompt.expand(len(prefixes), -1), prefixes], 1)              # (V^k, S+k)
-        p = F.softmax(model.base(seqs)[:, -1].double() / T, -1)                        # (V^k, V)
-        joint = (joint[:, None] * p.cpu()).flatten()
-    return joint.view((V_SMALL,) * n)
-
-
-def chi_square(counts, probs):
-    """Pearson's chi-square goodness of fit; cells expecting < 5 draws are pooled.
-
-    Returns (p-value, the cell (an index into probs) contributing most, its observed and expected counts)."""
-    n = counts.sum()
-    expected = probs.flatten().double() * n
-    observed = counts.flatten().double()
-    contribution = (observed - expected) ** 2 / expected
-    small = expected < 5
-    worst = int(contribution.masked_fill(small, -1).argmax())
-    if small.any():
-        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-        observed = torch.cat([observed[~small], observed[small].sum().view(1)])
-    stat = ((observed - expected) ** 2 / expected).sum()
-    df = len(expected) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
-    cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
-    return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
-
-
 @trained_once
 def skewed_eagle():
     """An EAGLE layer on the skewed model's base, trained a few seconds on the same Markov chain."""
@@ -450,7 +417,7 @@ def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
     T, n = 0.7, 3000
     model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]().to(device)
     prompt = torch.tensor([[1, 2]], device=device)
-    joint = true_joint(model, prompt, T, 3)                                        # (V, V, V)
+    joint = true_joint(model, prompt, T, 3, V_SMALL)                               # (V, V, V)
     assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"
     if drafter == "medusa":
         def sample():
