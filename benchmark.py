@@ -32,7 +32,8 @@ def main(argv=None):
                    help="only time the phases of a Medusa step (chosen tree), actual against ideal")
     p.add_argument("--ops", action="store_true", help="only count kernel-launching ops and host reads per step")
     p.add_argument("--ceiling", action="store_true",
-                   help="only measure exact sampling at T=0.7: our heads against the best any heads could do")
+                   help="only measure exact sampling at T=0.7: our heads, the best any heads could do, the best a "
+                        "conditional drafter could do, and our EAGLE layer where there is one")
     a = p.parse_args(argv)
     for flag in ("threads", "prompts", "tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
@@ -63,7 +64,9 @@ def main(argv=None):
     if a.ceiling:  # T = 0.7, as the report's sampled modes
         torch.manual_seed(args.seed)
         prompts = random_prompts(val_ids, a.prompts or 10, 32, args.seed + 7, device)
-        return print(measure.format_ceiling(measure.exact_sampling_ceiling(model, prompts, 0.7, [4, 10, 16, 32, 64]), 0.7))
+        eagle = models.get("eagle", (None,))[0]  # scored too, where the run trained one
+        return print(measure.format_ceiling(measure.exact_sampling_ceiling(model, prompts, 0.7, [4, 10, 16, 32, 64],
+                                                                           eagle=eagle), 0.7))
     if a.breakdown or a.ops:
         prompt = random_prompts(val_ids, 1, 32, args.seed + 5, device)
         if a.ops:

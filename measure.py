@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import sync
 import verify
 import common
-from eagle import DynamicTree, FeatureDrafter, as_tree
+from eagle import DynamicTree, FeatureDrafter, as_tree, chain_outputs
 from medusa_mini import HeadStack, MedusaDrafter, generate, generate_candidates, medusa_generate
 from tree import expected_tokens_per_step, gather_paths, grow_tree
 from verify import evaluate_posterior, prefill, tree_decoding
@@ -722,51 +722,84 @@ def accepted_depth(ranks, tree):
 
 
 @torch.no_grad()
-def exact_sampling_ceiling(model, prompts, temperature, sizes, new_tokens=96, every=4, draws=384, ranked=256, ranks=10):
-    """Exact sampling's tokens/step with our heads' proposals, and with the best any heads could make.
+def exact_sampling_ceiling(model, prompts, temperature, sizes, new_tokens=96, every=4, draws=384, ranked=256, ranks=10,
+                           eagle=None):
+    """Exact sampling's tokens/step with our heads' proposals, the best any heads could make, and the
+    best a drafter conditioned on its path could make (and EAGLE's, when an EagleModel is given).
 
     The tree walk is lossless, so a step commits the root and then the longest prefix of a sample from
     the model that the tree holds: tokens/step can be measured by sampling, without decoding. At every
     `every`-th position of a sample of new_tokens from each prompt, `draws` continuations of the root
-    and len(model.heads) tokens are drawn. The first `ranked` rank the tokens at each offset by how
-    often they were drawn: the model's own distribution of the tokens after the root, the most a head
-    can know (it guesses before the root is drawn): the ceiling. Both sets of proposals are scored on
-    the other draws, each on trees grown from its own accuracies on the ranked draws.
-    Returns {"heads": {size: tokens/step}, "ceiling": {size: tokens/step}, "positions": count}."""
-    D, V = len(model.heads), model.base.config.vocab_size
-    lists = {"heads": [], "ceiling": []}       # per position: (D, ranks) token ids, rank order
-    seen, scored = [], []                      # per position: (ranked, D) and (draws - ranked, D) draws
+    and len(model.heads) tokens are drawn. Each set of proposals ranks the drawn tokens at each depth:
+    - heads: our heads' top guesses, made before the root is drawn;
+    - ceiling: the tokens ranked by how often the first `ranked` draws hold them at that depth: the
+      model's own distribution of the tokens after the root, the most a head can know (it guesses
+      before the root is drawn, the same guesses on every branch);
+    - conditional: the model's own top tokens given each draw's path so far (root included): what a
+      drafter that conditions on the tokens before it could know at best;
+    - eagle: the EAGLE layer's top tokens along each draw's path (eagle.chain_outputs).
+    Trees are grown from each set's accuracies on the first `ranked` draws and scored on the others.
+    Returns {"heads", "ceiling", "conditional"[, "eagle"]: {size: tokens/step}, "positions": count}."""
+    base = model.base
+    D, V = len(model.heads), base.config.vocab_size
+    names = ["heads", "ceiling", "conditional"] + (["eagle"] if eagle is not None else [])
+    found = {name: [] for name in names}           # per position: (draws, D) ranks, -1 where not within `ranks`
     for prompt in prompts:
         sample = generate(model, prompt.view(1, -1), new_tokens, temperature)[0]
-        last = min(sample.numel(), model.base.config.block_size - D - 1)  # the draws must fit in the context
+        last = min(sample.numel(), base.config.block_size - D - 1)  # the draws must fit in the context
         for t in range(prompt.numel(), last + 1, every):
             context = sample[None, :t]                                                   # (1, t)
-            h = model.base.hidden(context)[0, -1]                                        # (C,)
-            lists["heads"].append(model.head_logits(h).topk(ranks, -1).indices)          # (D, ranks)
-            after_root = generate(model, context.expand(draws, -1), D + 1, temperature)[:, t + 1:]  # (draws, D)
-            seen.append(after_root[:ranked])
-            scored.append(after_root[ranked:])
-            counts = [torch.bincount(seen[-1][:, k], minlength=V) for k in range(D)]     # D x (V,)
-            lists["ceiling"].append(torch.stack([c.topk(ranks).indices for c in counts]))  # (D, ranks)
+            seq = generate(model, context.expand(draws, -1), D + 1, temperature)        # (draws, t + D + 1)
+            drawn = seq[:, t + 1:]                                                       # (draws, D) after the root
+            h = base.hidden(seq)                                                         # (draws, t + D + 1, C)
+            heads = model.head_logits(h[0, t - 1]).topk(ranks, -1).indices               # (D, ranks), before the root
+            counts = [torch.bincount(drawn[:ranked, k], minlength=V) for k in range(D)]  # D x (V,)
+            ceiling = torch.stack([c.topk(ranks).indices for c in counts])               # (D, ranks)
+            found["heads"].append(_rank_in_lists(heads, drawn, ranks))
+            found["ceiling"].append(_rank_in_lists(ceiling, drawn, ranks))
+            logits = base.lm_head(h[:, t:t + D])                                         # (draws, D, V): given the path
+            found["conditional"].append(_rank_in_logits(logits, drawn, ranks))
+            if eagle is not None:  # the entries at position t - 1 draft depth d along each draw's path
+                outs = [layer.norm_out(out[:, t - 1]) for layer, out in chain_outputs(eagle, seq, D, h)]
+                found["eagle"].append(_rank_in_logits(base.lm_head(torch.stack(outs, 1)), drawn, ranks))
 
-    def rank_of(tokens, x):  # tokens (D, ranks), x (N, D) -> (N, D): the rank of x[:, k] in tokens[k], or -1
-        hit = x[:, :, None] == tokens                                                    # (N, D, ranks)
-        return torch.where(hit.any(-1), hit.int().argmax(-1), -1)
-
-    result = {"positions": len(seen)}
-    for name, per_position in lists.items():
-        hits = torch.cat([rank_of(tokens, x)[:, :, None] == torch.arange(ranks, device=x.device)
-                          for tokens, x in zip(per_position, seen)])                    # (N, D, ranks)
-        order = grow_tree(hits.float().mean(0).tolist(), max(sizes))                     # accuracies (D, ranks)
-        rows = torch.cat([rank_of(tokens, x) for tokens, x in zip(per_position, scored)]).tolist()
+    result = {"positions": len(found["heads"])}
+    for name in names:
+        per_position = torch.stack(found[name])                                          # (positions, draws, D)
+        train, test = per_position[:, :ranked].flatten(0, 1), per_position[:, ranked:].flatten(0, 1)
+        reached = torch.cumprod(torch.cat([torch.ones_like(train[:, :1]), train[:, :-1] >= 0], 1), 1).bool()
+        accuracies = [[float(((train[:, k] == r) & reached[:, k]).sum() / reached[:, k].sum().clamp(min=1))
+                       for r in range(ranks)] for k in range(D)]                        # given the path in reach
+        if name in ("heads", "ceiling"):  # guesses made before the root: each depth's own frequency
+            accuracies = [[float((train[:, k] == r).float().mean()) for r in range(ranks)] for k in range(D)]
+        order = grow_tree(accuracies, max(sizes))
+        rows = test.tolist()
         result[name] = {n: statistics.fmean(1 + accepted_depth(r, set(order[:n])) for r in rows) for n in sizes}
     return result
+
+
+def _rank_in_lists(lists, drawn, ranks):
+    """lists (D, ranks) token ids per depth, drawn (N, D) -> (N, D): each drawn token's rank in its depth's
+    list, or -1."""
+    hit = drawn[:, :, None] == lists                                                     # (N, D, ranks)
+    return torch.where(hit.any(-1), hit.int().argmax(-1), -1)
+
+
+def _rank_in_logits(logits, drawn, ranks):
+    """logits (N, D, V) per draw and depth, drawn (N, D) -> (N, D): the drawn token's rank in them (how many
+    tokens score higher), or -1 past `ranks`."""
+    rank = (logits > logits.gather(-1, drawn[..., None])).sum(-1)                         # (N, D)
+    return torch.where(rank < ranks, rank, -1)
 
 
 def format_ceiling(ceiling, temperature):
     sizes = list(ceiling["heads"])
     lines = [f"exact sampling at T={temperature}, tokens/step on {ceiling['positions']} positions of sampled text",
              "| proposals | " + " | ".join(f"{n} nodes" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
-    for name, label in (("heads", "our heads"), ("ceiling", "the model's own distribution (the ceiling)")):
-        lines.append(f"| {label} | " + " | ".join(f"{ceiling[name][n]:.2f}" for n in sizes) + " |")
+    labels = {"heads": "our Medusa heads", "ceiling": "any Medusa heads at best: the model's own distribution of "
+              "each future token (the ceiling)", "conditional": "a perfect conditional drafter: the model's own top "
+              "tokens given each node's path", "eagle": "our EAGLE layer"}
+    for name, label in labels.items():
+        if name in ceiling:
+            lines.append(f"| {label} | " + " | ".join(f"{ceiling[name][n]:.2f}" for n in sizes) + " |")
     return "\n".join(lines)

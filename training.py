@@ -714,23 +714,23 @@ def fast_mode():
     return os.environ.get("CI", "").lower() == "true" or os.environ.get("MEDUSA_FAST") == "1"
 
 
-def trained_model(out=None, device="cpu"):
-    """(model, tokenizer, checkpoint) for the notebooks: the Medusa model `python train_heads.py` wrote
-    to out/ (beside this file), or, in fast mode or when there is none, the tiny preset trained once
-    (seconds on a CPU) and kept in out/tiny/."""
+def trained_model(out=None, device="cpu", drafter="medusa"):
+    """(model, tokenizer, checkpoint) for the notebooks: the drafter `python train_heads.py --drafters
+    medusa,eagle` wrote to out/ (beside this file), or, in fast mode or when there is none, the tiny
+    preset with both drafters, trained once (seconds on a CPU) and kept in out/tiny/."""
     def finished(path):  # a run that got as far as choosing its tree
         return os.path.exists(path) and "tree" in read_checkpoint(path)
 
     out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    path = os.path.join(out, "medusa.pt")
+    path = os.path.join(out, f"{drafter}.pt")
     if fast_mode() or not finished(path):
         out = os.path.join(out, "tiny")
-        path = os.path.join(out, "medusa.pt")
+        path = os.path.join(out, f"{drafter}.pt")
         if not finished(path):
             for name in ("base.pt", "distill.pt", "heads.pt"):  # the notebooks' own cache: files of an
                 stale = os.path.join(out, name)                 # earlier layout are trained again
                 if os.path.exists(stale) and "format" not in read_checkpoint(stale):
                     os.remove(stale)
-            run(run_args("tiny", out, device))
-    model, ckpt = load_model(path, device, drafter="medusa")
+            run(run_args("tiny", out, device, drafters=["medusa", "eagle"]))
+    model, ckpt = load_model(path, device, drafter=drafter)
     return model, load_tokenizer(ckpt["tokenizer"]), ckpt
