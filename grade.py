@@ -7,11 +7,14 @@
     python grade.py --json out.json    # the results, for an autograder
     python grade.py --mutants          # instructors: plant known bugs, check that the tests catch each one
 
-Which tests grade which assignment is written in assignments.toml. Private tests (files in
+Which tests grade which assignment is written in assignments.toml. Correctness and efficiency are
+graded apart: an assignment passes ("correct: yes", exit status 0) when every correctness test
+passes; its efficiency tests (ops and host reads per step) are run and reported on their own line,
+against the reference's figures and the bounds, and never fail it. Private tests (files in
 tests/private/, listed under `private`) are graded when present and announced when not. A test that
 also grades a later assignment whose functions are still stubs in this copy waits for that
-assignment ("LATER"): it cannot pass before them. Exit status 0 only when every graded test passes;
-a mistake on the command line prints one line, `error: ...`, and exits with 2.
+assignment ("LATER"): it cannot pass before them. A mistake on the command line prints one line,
+`error: ...`, and exits with 2.
 See docs/instructors.md.
 """
 import argparse
@@ -24,22 +27,36 @@ import tomllib
 from grading import (MAPPING, MUTANTS, UsageError, check_mutants, grade, hint, load_mapping,
                      load_mutants)
 
+def print_row(status: str, r: dict, note: str = ""):
+    print(f"  {status}  {r['passed']:>2}/{r['cases']:<2}  {r['test']}{note}")
+    if r["message"]:
+        print(textwrap.fill(r["message"], 110, initial_indent=" " * 13, subsequent_indent=" " * 15,
+                            break_long_words=False, break_on_hyphens=False))
+
+
+def print_later(rows: list[dict]):
+    for r in rows:
+        print(f"  LATER         {r['test']}  (needs assignment {r['waits_for']}, still stubbed here)")
+
+
 def print_report(result: dict):
     print(f"\nAssignment {result['assignment']}: {result['title']}")
     for r in result["tests"]:
-        status = "PASS" if r["passed"] == r["cases"] else "FAIL"
-        print(f"  {status}  {r['passed']:>2}/{r['cases']:<2}  {r['test']}" + ("  (private)" if r["private"] else ""))
-        if r["message"]:
-            print(textwrap.fill(r["message"], 110, initial_indent=" " * 13, subsequent_indent=" " * 15,
-                                break_long_words=False, break_on_hyphens=False))
-    for r in result["later"]:
-        print(f"  LATER         {r['test']}  (needs assignment {r['waits_for']}, still stubbed here)")
+        print_row("PASS" if r["passed"] == r["cases"] else "FAIL", r, "  (private)" if r["private"] else "")
+    print_later(result["later"])
     if result["missing_private"]:
         print(f"  ({len(result['missing_private'])} private test(s) are not in this copy: your instructor runs them)")
+    eff = result["efficiency"]
+    if eff["tests"] or eff["later"]:
+        print("  Efficiency, reported apart (OVER: measured past its bound; never fails the assignment):")
+        for r in eff["tests"]:
+            print_row("PASS" if r["passed"] == r["cases"] else "OVER" if r["measured"] else "FAIL", r)
+        print_later(eff["later"])
     n_pass = sum(r["passed"] == r["cases"] for r in result["tests"])
     cases_pass, cases = sum(r["passed"] for r in result["tests"]), sum(r["cases"] for r in result["tests"])
-    print(f"Score: {n_pass}/{len(result['tests'])} tests pass ({cases_pass}/{cases} cases)"
-          + ("" if result["passed"] else ": not done yet"))
+    print(f"correct: {'yes' if result['correct'] else 'no'} ({n_pass}/{len(result['tests'])} tests pass, "
+          f"{cases_pass}/{cases} cases)")
+    print(f"efficiency: {eff['summary']}")
     if result["later"]:
         print(f"{len(result['later'])} more test(s) grade this assignment end to end once the later ones are done.")
 
@@ -62,9 +79,12 @@ def print_mutants(rows: list[dict], assignments: dict):
                 message = r["message"] if r.get("stale") else r["message"].split(": ", 1)[-1]  # no file:line
                 print(textwrap.fill(message, 110, initial_indent=" " * 10,
                                     subsequent_indent=" " * 10, break_long_words=False, break_on_hyphens=False))
+            if "efficiency" in r:  # a slower rewrite: correct, and what its step costs
+                print(textwrap.fill(f"efficiency: {r['efficiency']['summary']}", 110, initial_indent=" " * 10,
+                                    subsequent_indent=" " * 12, break_long_words=False, break_on_hyphens=False))
     caught = [r for r in rows if r["kind"] == "mutant"]
     equivalents = [r for r in rows if r["kind"] == "equivalent"]
-    print(f"\n{sum(r['ok'] for r in caught)}/{len(caught)} planted faults caught; "
+    print(f"\n{sum(r['ok'] for r in caught)}/{len(caught)} planted faults caught by correctness tests; "
           f"{sum(r['ok'] for r in equivalents)}/{len(equivalents)} correct rewrites pass "
           f"({sum(r['seconds'] for r in rows):.0f} s)")
 
@@ -86,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--hint", metavar="NAME", help="print the full hint for a function of this assignment and exit")
     parser.add_argument("--mutants", action="store_true",
                         help=f"instructors: plant each fault of {MUTANTS} in the reference code and check that "
-                             "the assignment's tests catch it")
+                             "the assignment's correctness tests catch it")
     try:
         args = parser.parse_args(argv)
         json_path = os.path.abspath(args.json) if args.json else None  # before run_tests changes directory

@@ -2,13 +2,18 @@
 tests grade an assignment and which wait for a later one, running them in this process, and the
 mutation check that plants known bugs. The commands grade.py and make_assignment.py use it; see
 docs/instructors.md.
+
+An assignment is graded for correctness (its `tests`: it passes when they all pass) and, apart,
+for efficiency (its `efficiency` tests: what a step costs, measured and reported, never failed).
 """
 import ast
 import contextlib
 import importlib
 import inspect
 import io
+import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -111,12 +116,14 @@ def matches(nodeid: str, spec: str) -> bool:
 
 
 def _specs(assignment: dict) -> list[str]:
-    return assignment["tests"] + assignment.get("private", [])
+    """Every test the assignment runs: correctness (public and private), then efficiency."""
+    return assignment["tests"] + assignment.get("private", []) + assignment.get("efficiency", [])
 
 
 def waiting(assignments: dict, n: str, later_stubbed=None) -> dict[str, str]:
-    """{spec: m} for the tests of assignment n that also grade a later assignment m whose functions
-    are stubs (default: those still stubs in this copy). They cannot pass before m is done."""
+    """{spec: m} for the tests of assignment n (correctness or efficiency) that also grade a later
+    assignment m whose functions are stubs (default: those still stubs in this copy). They cannot
+    pass before m is done."""
     order = list(assignments)
     if later_stubbed is None:
         later_stubbed = [m for m in order[order.index(n) + 1:] if stubbed_here(assignments[m])]
@@ -128,22 +135,34 @@ def waiting(assignments: dict, n: str, later_stubbed=None) -> dict[str, str]:
     return out
 
 
-def graded_in_sequence(assignments: dict, n: str) -> list[str]:
-    """The tests of n that a student version handed out in sequence grades: every later assignment stubbed."""
+def graded_in_sequence(assignments: dict, n: str, key: str = "tests") -> list[str]:
+    """The tests of n (key: "tests" for correctness, "efficiency") that a student version handed out in
+    sequence runs: every later assignment stubbed."""
     later = list(assignments)[list(assignments).index(n) + 1:]
     wait = waiting(assignments, n, later)
-    return [t for t in assignments[n]["tests"] if t not in wait]
+    return [t for t in assignments[n].get(key, []) if t not in wait]
+
+
+def is_efficiency_test(assignments: dict, spec: str) -> bool:
+    """Is `spec` (or a test it covers, or one covering it) an efficiency test of any assignment?"""
+    return any(matches(spec, t) or matches(t, spec) for a in assignments.values() for t in a.get("efficiency", []))
 
 
 # ----------------------------------------------------------------------------------------------
 # Running tests in this process
 
 def _message(longrepr) -> str:
-    """One line saying why: the exception line of a failure or collection error."""
+    """One line saying why: the exception line of a failure or collection error. A failed
+    pytest.raises(match=...) also says what it expected and what it got (pytest puts those on the
+    lines after "Regex pattern did not match.")."""
     crash = getattr(longrepr, "reprcrash", None)
     if crash is not None:
         where = os.path.relpath(crash.path, ROOT) if os.path.isabs(crash.path) else crash.path
-        return f"{where}:{crash.lineno}: " + (crash.message.strip().splitlines() or [""])[0]
+        first, *rest = crash.message.strip().splitlines() or [""]
+        # older pytest writes " Regex: ..." and " Input: ...", pytest 9 "Expected regex:" and "Actual message:"
+        regex = [line.strip() for line in rest
+                 if re.match(r"\s*(Regex|Input|Expected regex|Actual message):", line)]
+        return f"{where}:{crash.lineno}: {first}" + (f" {'; '.join(regex)}" if regex else "")
     lines = [line.strip() for line in str(longrepr).splitlines() if line.strip()]
     errors = [line[1:].strip() for line in lines if line.startswith("E ")]
     return (errors or lines or [""])[-1]
@@ -155,7 +174,7 @@ class _Recorder:
     def __init__(self, specs, in_spec_order=False):
         self.specs = specs
         self.in_spec_order = in_spec_order
-        self.cases = {}           # nodeid -> {"outcome", "message"}
+        self.cases = {}           # nodeid -> {"outcome", "message", "measures"}
         self.collect_errors = {}  # file -> message
 
     def _rank(self, item):
@@ -173,7 +192,8 @@ class _Recorder:
             self.collect_errors[report.nodeid] = _message(report.longrepr)
 
     def pytest_runtest_logreport(self, report):
-        case = self.cases.setdefault(report.nodeid, {"outcome": "passed", "message": ""})
+        case = self.cases.setdefault(report.nodeid, {"outcome": "passed", "message": "", "measures": {}})
+        case["measures"].update(report.user_properties)  # what an efficiency test recorded, pass or fail
         if case["outcome"] != "passed":
             return  # keep the first problem (a setup error, then the call is not run)
         if report.failed:
@@ -185,8 +205,9 @@ class _Recorder:
 def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str, dict]:
     """Run the tests matching `specs` (node ids, test names or files) in this process.
 
-    Returns {nodeid: {"outcome": passed/failed/error/skipped, "message": one line}}. A spec whose
-    file does not import, or that matches nothing, gets one entry under its own name, "not run: why".
+    Returns {nodeid: {"outcome": passed/failed/error/skipped, "message": one line, "measures": what
+    the test recorded with record_property}}. A spec whose file does not import, or that matches
+    nothing, gets one entry under its own name, "not run: why".
     in_spec_order: run in the order of `specs` rather than the files' (to fail fast with -x)."""
     import pytest
     os.chdir(ROOT)
@@ -204,7 +225,7 @@ def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str,
             file = spec.split("::")[0]
             why = (f"{file} does not import: {recorder.collect_errors[file]}" if file in recorder.collect_errors
                    else "no such test" if os.path.exists(file) else "no such file")
-            cases[spec] = {"outcome": "error", "message": f"not run: {why}"}
+            cases[spec] = {"outcome": "error", "message": f"not run: {why}", "measures": {}}
     return cases
 
 
@@ -212,24 +233,69 @@ def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str,
 # Grading
 
 def grade(assignments: dict, numbers, pytest_args=("--tb=no",)) -> list[dict]:
-    """Run the tests of the given assignments once; per assignment, one row per test."""
+    """Run the tests of the given assignments once. Per assignment: one row per correctness test,
+    `correct` (= `passed`, the exit status) when they all pass; and apart, `efficiency`: one row per
+    efficiency test, what they measured and a one-line summary. Efficiency never fails an assignment."""
     wait = {n: waiting(assignments, n) for n in numbers}
-    specs = {n: [s for s in _specs(assignments[n]) if s not in wait[n]] for n in numbers}
-    present = {n: [s for s in specs[n] if os.path.exists(os.path.join(ROOT, s.split("::")[0]))] for n in numbers}
-    cases = run_tests(list(dict.fromkeys(s for n in numbers for s in present[n])), pytest_args)
+
+    def runnable(n, specs):  # not waiting for a later assignment, and in this copy
+        return [s for s in specs if s not in wait[n] and os.path.exists(os.path.join(ROOT, s.split("::")[0]))]
+    correctness = {n: runnable(n, assignments[n]["tests"] + assignments[n].get("private", [])) for n in numbers}
+    efficiency = {n: runnable(n, assignments[n].get("efficiency", [])) for n in numbers}
+    cases = run_tests(list(dict.fromkeys(s for n in numbers for s in correctness[n] + efficiency[n])), pytest_args)
+
+    def mine(spec):
+        return [c for nodeid, c in cases.items() if matches(nodeid, spec)]
+
+    def row(spec):
+        failed = [c for c in mine(spec) if c["outcome"] != "passed"]
+        return dict(test=spec, passed=len(mine(spec)) - len(failed), cases=len(mine(spec)),
+                    message=f"{failed[0]['outcome']}: {failed[0]['message']}" if failed else "")
     results = []
     for n in numbers:
-        a, rows = assignments[n], []
-        for spec in present[n]:
-            mine = [c for nodeid, c in cases.items() if matches(nodeid, spec)]
-            failed = [c for c in mine if c["outcome"] != "passed"]
-            rows.append(dict(test=spec, private=spec not in a["tests"], passed=len(mine) - len(failed), cases=len(mine),
-                             message=f"{failed[0]['outcome']}: {failed[0]['message']}" if failed else ""))
+        a = assignments[n]
+        rows = [dict(row(spec), private=spec not in a["tests"]) for spec in correctness[n]]
         later = [dict(test=spec, waits_for=m) for spec, m in wait[n].items()]
-        results.append(dict(assignment=n, title=a["title"], tests=rows, later=later,
-                            missing_private=[p for p in a.get("private", []) if p not in present[n] + list(wait[n])],
-                            passed=all(r["passed"] == r["cases"] for r in rows)))
+        eff_rows = [dict(row(spec), measured=any(c["measures"] for c in mine(spec))) for spec in efficiency[n]]
+        eff_later = [r for r in later if r["test"] in a.get("efficiency", [])]
+        measures = worst([c["measures"] for spec in efficiency[n] for c in mine(spec)])
+        eff = dict(tests=eff_rows, later=eff_later, measures=measures,
+                   summary=describe_efficiency(measures, eff_later, [r["message"] for r in eff_rows]))
+        correct = all(r["passed"] == r["cases"] for r in rows)
+        missing = [p for p in a.get("private", []) if p not in correctness[n] + list(wait[n])]
+        results.append(dict(assignment=n, title=a["title"], tests=rows, later=[r for r in later if r not in eff_later],
+                            efficiency=eff, correct=correct, passed=correct, missing_private=missing))
     return results
+
+
+def worst(measures: list[dict]) -> dict:
+    """The measures of several cases (host reads in each decoding mode, ...) merged: the largest of each."""
+    out = {}
+    for m in measures:
+        for key, value in m.items():
+            out[key] = max(out.get(key, value), value)
+    return out
+
+
+def describe_efficiency(m: dict, later=(), messages=()) -> str:
+    """One line: ops and host reads per step (measures m) against the reference's and the bounds, or
+    why there are none: the tests wait for a later assignment (later: rows of waits_for), or failed
+    before measuring (messages)."""
+    parts = []
+    if "ops_per_step" in m:
+        over = ": over" if m["ops_ratio"] > m["ops_ratio_bound"] else ""
+        parts.append(f"{m['ops_per_step']:.1f} ops per step against the reference's {m['reference_ops_per_step']:.1f}, "
+                     f"{m['ops_ratio']:.2f}x a plain token (bound {m['ops_ratio_bound']:.2f}{over})")
+    if "host_reads_per_step" in m:
+        reads, bound = m["host_reads_per_step"], m["host_reads_bound"]
+        parts.append(f"{reads:.2f} host read{'' if reads == 1 else 's'} per step "
+                     f"(bound {bound:g}{': over' if reads > bound else ''})")
+    if parts:
+        return "; ".join(parts)
+    if later:
+        return f"not measured yet: its tests need assignment {later[0]['waits_for']}, still stubbed here (LATER)"
+    failed = [message for message in messages if message]
+    return f"not measured: {failed[0]}" if failed else "no efficiency tests for this assignment"
 
 
 def hint(assignments: dict, name: str) -> str:
@@ -255,7 +321,9 @@ def hint(assignments: dict, name: str) -> str:
 # The mutation check (instructors): known bugs planted in the reference code, one at a time
 
 def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS)) -> dict:
-    """mutants.toml, checked: each fault names a function of its assignment, and tests that grade it in sequence."""
+    """mutants.toml, checked: each fault names a function of its assignment, and correctness tests that
+    grade it in sequence; never an efficiency test (a fault is caught by what the code does, not by
+    what it costs)."""
     if not os.path.exists(path):
         raise UsageError(f"no {MUTANTS} here: the mutation check runs in the full project, not in a student version")
     try:
@@ -275,9 +343,16 @@ def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS)) -> dict:
             if m["function"] not in assignments[n]["stubs"]:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r}: {m['function']} is not a function of assignment {n}")
             allowed = graded_in_sequence(assignments, n)
-            if "tests" not in m:  # an equivalent: the tests of the faults planted in its function
+            if "tests" not in m:  # the tests of the faults planted in its function; a slower rewrite: all
                 same = [t for f in data.get("mutant", []) if f["function"] == m["function"] for t in f.get("tests", [])]
-                m["tests"] = list(dict.fromkeys(same)) or allowed
+                m["tests"] = allowed if m.get("slower") else list(dict.fromkeys(same)) or allowed
+            efficiency = [t for t in m["tests"] if is_efficiency_test(assignments, t)]
+            if efficiency:
+                raise UsageError(f"{MUTANTS}: {kind} {m['name']!r} runs {efficiency[0]}, an efficiency test: "
+                                 "a fault must be caught by a correctness test")
+            if m.get("slower") and (kind != "equivalent" or not assignments[n].get("efficiency")):
+                raise UsageError(f"{MUTANTS}: {kind} {m['name']!r}: only an equivalent of an assignment with "
+                                 "efficiency tests can be slower")
             stray = [t for t in m["tests"] if t not in allowed]
             if stray:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r} runs {stray[0]}, which does not grade "
@@ -345,7 +420,9 @@ def _clear_caches():
 
 def check_mutants(assignments: dict, data: dict, numbers) -> list[dict]:
     """Each fault: run its tests with it planted, stopping at the first failure. Each equivalent (a
-    correct rewrite): its tests must all pass, so a check that fails everything cannot pass for one that works."""
+    correct rewrite): its tests must all pass, so a check that fails everything cannot pass for one
+    that works. A slower equivalent must also cost more ops per step than the reference, measured by
+    the assignment's efficiency tests: correct, and reported slower, never failed for it."""
     rows = []
     for kind in ("mutant", "equivalent"):
         for fault in data.get(kind, []):
@@ -358,12 +435,22 @@ def check_mutants(assignments: dict, data: dict, numbers) -> list[dict]:
                     # -p no:unraisableexception: its gc.collect() calls cost 1.5 s a run
                     cases = run_tests(fault["tests"], ("--tb=no", "-p", "no:unraisableexception")
                                       + (("-x",) if kind == "mutant" else ()), in_spec_order=True)
+                    if fault.get("slower"):
+                        spent = run_tests(assignments[fault["assignment"]]["efficiency"],
+                                          ("--tb=no", "-p", "no:unraisableexception"))
             except MutantError as e:
                 row.update(ok=False, stale=True, by="", message=f"mutant {e}")
             else:
                 failed = [(nodeid, c) for nodeid, c in cases.items() if c["outcome"] != "passed"]
                 by, message = (failed[0][0], failed[0][1]["message"]) if failed else ("", "")
                 row.update(ok=bool(failed) == (kind == "mutant"), by=by, message=message, cases=len(cases))
+                if fault.get("slower"):
+                    measures = worst([c["measures"] for c in spent.values()])
+                    more = measures.get("ops_per_step", -math.inf) > measures.get("reference_ops_per_step", math.inf)
+                    summary = describe_efficiency(measures, messages=[c["message"] for c in spent.values()])
+                    row["efficiency"] = dict(measures=measures, summary=summary)
+                    if row["ok"] and not more:
+                        row.update(ok=False, message=f"not slower than the reference: {row['efficiency']['summary']}")
             row["seconds"] = round(time.perf_counter() - start, 2)
             rows.append(row)
     return rows

@@ -115,7 +115,7 @@ def _toml_string(s: str) -> str:
 
 def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
     out = [f"\n[assignment.{number}]\n", f"title = {_toml_string(assignment['title'])}\n"]
-    for key in ("tests", "private"):
+    for key in ("tests", "efficiency", "private"):
         items = "".join(f"\n    {_toml_string(t)}," for t in assignment.get(key, []))
         out.append(f"{key} = [{items}\n]\n" if items else f"{key} = []\n")
     out.append(f"\n[assignment.{number}.stubs]\n")
@@ -129,30 +129,35 @@ def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
 def student_mapping(number, assignment: dict, later: dict[str, dict] = {}) -> str:
     """assignments.toml for a student version: its assignment (the default of `python grade.py`), with
     its full hints; then the later assignments, stubbed here, with no hints: grade.py needs their tests
-    to know which of this assignment's tests wait for them."""
+    (correctness and efficiency) to know which of this assignment's tests wait for them."""
     out = [f"# Written by make_assignment.py: assignment {number}, graded with: python grade.py\n",
            f"default = {_toml_string(str(number))}\n"]
     out += _toml_entry(number, assignment, hints=True)
     for m, a in later.items():
         stubs = {key: later_hint(number) for key in a["stubs"]}
-        out += _toml_entry(m, dict(title=a["title"], tests=a["tests"], private=a.get("private", []), stubs=stubs),
-                           hints=False)
+        out += _toml_entry(m, dict(title=a["title"], tests=a["tests"], efficiency=a.get("efficiency", []),
+                                   private=a.get("private", []), stubs=stubs), hints=False)
     return "".join(out)
 
 
 def student_note(number, assignment: dict, line_numbers: dict[str, int], graded: list[str],
-                 waiting: dict[str, list[str]]) -> str:
-    """ASSIGNMENT.md: what to implement and how to grade it."""
+                 waiting: dict[str, list[str]], efficiency: list[str] = ()) -> str:
+    """ASSIGNMENT.md: what to implement and how to grade it. graded: the correctness tests run now;
+    efficiency: the efficiency tests run now; waiting: {later assignment: tests of either kind}."""
     rows = "".join(f"| `{key.partition(':')[2]}` | `{key.partition(':')[0]}` line {line_numbers[key]} | {hint} |\n"
                    for key, hint in assignment["stubs"].items())
     tests = "".join(f"- `{t}`\n" for t in graded)
+    if efficiency:
+        tests += ("\nEfficiency (what a step costs, reported beside the reference's figures and never failed):\n\n"
+                  + "".join(f"- `{t}`\n" for t in efficiency))
     private = (f"\nYour instructor also runs {len(assignment['private'])} private test(s) when grading.\n"
                if assignment.get("private") else "")
     later = ""
     if waiting:
+        kind = {t: ", efficiency" for t in assignment.get("efficiency", [])}
         later = ("\nThese tests also check your functions, end to end, but need later assignments; they are "
                  "graded with those (`python grade.py` lists them as LATER):\n\n"
-                 + "".join(f"- `{t}` (assignment {m})\n" for m, ts in waiting.items() for t in ts))
+                 + "".join(f"- `{t}` (assignment {m}{kind.get(t, '')})\n" for m, ts in waiting.items() for t in ts))
     name = next(iter(assignment["stubs"])).partition(":")[2].rpartition(".")[2]
     return f"""# Assignment {number}: {assignment['title']}
 
@@ -174,7 +179,10 @@ python grade.py
 ```
 
 runs exactly the tests that grade this assignment and prints PASS or FAIL per test with the
-number of cases passed, and for a failure what differed; it exits with 0 only when all pass.
+number of cases passed, and for a failure what differed; then `correct: yes` or `no`, and on its own
+line what a step costs (`efficiency:` ops and host reads per step against the reference's and the
+bounds, once a whole step runs). It exits with 0 when every correctness test passes, however many
+ops your step takes.
 `python grade.py --tb short` adds the tracebacks; `python -m pytest "TEST"` runs one test. (The
 whole suite, `python -m pytest`, also runs tests of later assignments, which fail in this copy.)
 The tests:
@@ -247,13 +255,15 @@ def make_assignment(number, out, root=ROOT, in_sequence=True) -> list[str]:
         write_source(out / file, source)
     (out / MAPPING).write_text(student_mapping(number, assignment, later), encoding="utf-8")
     waiting = {}
-    for spec in assignment["tests"]:
-        for m in later:
-            if spec not in graded_in_sequence({number: assignment, m: later[m]}, number):
-                waiting.setdefault(m, []).append(spec)
-                break
-    graded = [t for t in assignment["tests"] if not any(t in ts for ts in waiting.values())]
-    (out / "ASSIGNMENT.md").write_text(student_note(number, assignment, line_numbers, graded, waiting),
+    for key in ("tests", "efficiency"):
+        for spec in assignment.get(key, []):
+            for m in later:
+                if spec not in graded_in_sequence({number: assignment, m: later[m]}, number, key):
+                    waiting.setdefault(m, []).append(spec)
+                    break
+    graded, efficiency = ([t for t in assignment.get(key, []) if not any(t in ts for ts in waiting.values())]
+                          for key in ("tests", "efficiency"))
+    (out / "ASSIGNMENT.md").write_text(student_note(number, assignment, line_numbers, graded, waiting, efficiency),
                                        encoding="utf-8")
     return sorted(set(files) | {MAPPING, "ASSIGNMENT.md"})
 
@@ -267,6 +277,11 @@ def print_table(mapping: dict):
               + f"; handed out in sequence, {len(a['tests']) - len(now)} of them wait for later assignments (LATER)")
         for t in a["tests"]:
             print(f"    {t}" + ("" if t in now else "  (LATER)"))
+        if a.get("efficiency"):
+            now = graded_in_sequence(mapping["assignment"], number, "efficiency")
+            print("  efficiency, reported apart:")
+            for t in a["efficiency"]:
+                print(f"    {t}" + ("" if t in now else "  (LATER)"))
 
 
 class _Parser(argparse.ArgumentParser):

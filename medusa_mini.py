@@ -239,7 +239,8 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
     head_logits (K, B, T, V); targets (B, T), the next tokens (targets[:, t] = token t+1).
     So head k (1-based) at position t is scored against targets[:, t+k]: only T - k positions.
     CE_k is the mean cross-entropy over those positions and the batch.
-    Returns (loss, a 0-d tensor; per-head losses, (K,)). ValueError if T <= K (a head with no target)."""
+    Returns (loss, a 0-d tensor; per-head losses, (K,)). A ValueError if T <= K (a head with no target),
+    saying the sequences must be longer than the number of heads."""
     K, B, T, V = head_logits.shape
     if T <= K:
         raise ValueError(f"{T} positions leave head {K} no target: sequences must be longer than the number of heads")

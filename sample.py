@@ -13,6 +13,8 @@ import time
 import torch
 
 from common import GENERATE, load_model, load_tokenizer, pick_device, sync
+from eagle import as_tree
+from measure import tree_label
 from medusa_mini import generate
 from verify import SAMPLING
 
@@ -110,7 +112,7 @@ def main(argv=None):
         raise ValueError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
     n = min(args.tokens, room)
     exact = args.temperature > 0 and args.sampling == "exact"  # the tree grown for sampling, where there is one
-    tree = [tuple(p) for p in ckpt["sampling_tree" if exact and "sampling_tree" in ckpt else "tree"]]
+    tree = as_tree(ckpt["sampling_tree" if exact and ckpt.get("sampling_tree") else "tree"])
     drafted = GENERATE[args.drafter]
 
     def run(stream=None):
@@ -129,7 +131,7 @@ def main(argv=None):
         print("\ncolours: plain = the base model's own token; " +
               ", ".join(f"{COLOURS[k]}depth {k}{RESET}" for k in range(1, 1 + max(printer.depths))))
     print(f"\n{args.drafter}: {new} tokens in {stats.steps} steps ({stats.tokens_per_step:.2f} tokens/step, "
-          f"{len(tree)}-node tree), {new / seconds:.0f} tokens/s as printed")
+          f"tree: {tree_label(tree)}), {new / seconds:.0f} tokens/s as printed")
     if args.compare:  # both timed without printing, after a warm-up, the same seed for each
         run(), generate(model, idx, min(n, 4), args.temperature)
         (drafted_out, _), drafted_s = timed(run, args.device)

@@ -30,7 +30,7 @@ class TreeBuffers:
     depth: int                      # deepest path length = number of heads the tree uses
     topk: int                       # largest rank + 1 = how many guesses per head the tree needs
     rows: list[list[int]]           # retrieve_indices without padding, on the host (no device read)
-    row_of: list[int]               # row_of[n] = a row whose path passes through node n
+    row_of: list[int]               # row_of[n] = the first row whose path passes through node n
     _positions: dict = field(default_factory=dict, repr=False, compare=False)  # positions(): block_size -> table
 
     # Derived from the fields above once, so that a decoding step only indexes (no op recomputes them).
@@ -190,7 +190,10 @@ def dense_tree(widths) -> list[Path]:
 
 
 def path_probability(path: Path, accuracies) -> float:
-    """P(path is on the accepted path) under independence: prod_k accuracies[k][rank_k]."""
+    """P(path is on the accepted path) under independence: prod_k accuracies[k][rank_k].
+
+    ValueError, saying the path needs more heads or ranks than the accuracy table has, when the
+    path is deeper than the table or one of its ranks is past its head's row."""
     if len(path) > len(accuracies) or any(r >= len(accuracies[k]) for k, r in enumerate(path)):
         raise ValueError(f"path {path} needs more heads or ranks than the accuracy table has")
     return math.prod(accuracies[k][r] for k, r in enumerate(path))
@@ -206,7 +209,9 @@ def grow_tree(accuracies, num_nodes: int) -> list[Path]:
 
     accuracies[k][i] is the single-rank accuracy of head k+1's rank-i guess. The frontier holds each
     chosen node's next sibling and first child. Ties go to the first node in node order
-    (shorter path, then smaller ranks). Returns the paths in the order they were added."""
+    (shorter path, then smaller ranks). Returns the paths in the order they were added.
+    With K heads and R ranks (the shortest row), the table supplies sum_k R**k nodes (k = 1..K);
+    ValueError, saying how many nodes the table supplies, when num_nodes is not between 1 and that."""
     K, R = len(accuracies), min(len(row) for row in accuracies)
     capacity = sum(R ** k for k in range(1, K + 1))
     if not 1 <= num_nodes <= capacity:

@@ -1,15 +1,18 @@
 """The course assignment kit: assignments.toml, make_assignment.py and grade.py.
 
 With only assignment N stubbed, the student version imports cleanly and fails exactly the tests
-listed for N, each with N's own NotImplementedError; every other test in the graded test files
-passes. Putting the original bodies back into each such version gives the project byte for byte;
-graded as an instructor grades a submission (the full assignments.toml copied in), such a copy
-passes every assignment. Handed out in sequence, the copy for N holds no reference body of N or of
-any later assignment, and grades N on exactly the tests that do not need a later one. The copies
-are made once and run two at a time: about 60 CPU-seconds."""
+listed for N (correctness and efficiency), each with N's own NotImplementedError; every other test
+in the graded test files passes. Putting the original bodies back into each such version gives the
+project byte for byte; graded as an instructor grades a submission (the full assignments.toml
+copied in), such a copy passes every assignment, and measures the reference's own ops per step.
+Handed out in sequence, the copy for N holds no reference body of N or of any later assignment, and
+grades N on exactly the tests that do not need a later one. A correct but slower implementation is
+correct (exit status 0) and reported over the bound. The copies are made once and run two at a
+time: the slowest file of the suite, about 3 CPU-minutes."""
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,9 +32,19 @@ MAPPING = ma.load_mapping()
 ASSIGNMENTS = list(MAPPING["assignment"])
 
 
-def graded(n) -> list[str]:
-    """The tests of assignment n, private ones included."""
+def correctness(n) -> list[str]:
+    """The correctness tests of assignment n, private ones included: they decide its exit status."""
     return MAPPING["assignment"][n]["tests"] + MAPPING["assignment"][n].get("private", [])
+
+
+def efficiency(n) -> list[str]:
+    """The efficiency tests of assignment n: run and reported, never failed."""
+    return MAPPING["assignment"][n].get("efficiency", [])
+
+
+def graded(n) -> list[str]:
+    """Every test of assignment n: correctness, private ones included, then efficiency."""
+    return correctness(n) + efficiency(n)
 
 
 GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)})
@@ -66,6 +79,25 @@ def restore_bodies(copy: Path, number):
         for name, _ in stubs:
             source = ma.replace_body(source, name, ma.get_body(original, name))
         ma.write_source(copy / file, source)
+
+
+SLOWER = next(e for e in grading.load_mutants(MAPPING["assignment"])["equivalent"] if e.get("slower"))
+
+
+def slower_project(base: Path) -> Path:
+    """Assignment 3 done right but slower (mutants.toml's slower evaluate_posterior written into verify.py),
+    graded on its acceptance tests and its efficiency tests."""
+    copy = base / "slower-3"
+    ma.make_assignment("3", copy, in_sequence=False)
+    restore_bodies(copy, "3")
+    file = SLOWER["function"].partition(":")[0]
+    source = ma.read_source(copy / file)
+    assert source.count(SLOWER["replace"]) == 1, f"{SLOWER['name']}: its snippet is not once in {file}"
+    ma.write_source(copy / file, source.replace(SLOWER["replace"], SLOWER["with"]))
+    a = MAPPING["assignment"]["3"]
+    small = dict(a, tests=grading.graded_in_sequence(MAPPING["assignment"], "3"), efficiency=a["efficiency"])
+    (copy / ma.MAPPING).write_text(ma.student_mapping("3", small))
+    return copy
 
 
 def private_project(base: Path) -> Path:
@@ -112,6 +144,7 @@ def kit(tmp_path_factory):
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
             shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
+    jobs["slower-3"] = (slower_project(base), ["grade.py", "--json", "result.json"])
     project = private_project(base)
     for name in ("private-missing", "private-present"):
         ma.make_assignment("2", base / name, root=project, in_sequence=False)
@@ -123,8 +156,10 @@ def kit(tmp_path_factory):
 
 
 def test_mapping_names_real_functions_once():
-    """Every stub names a function of a project file, with a one-line hint; no function is in two assignments."""
+    """Every stub names a function of a project file, with a one-line hint; no function is in two
+    assignments; a test is correctness or efficiency, never both."""
     seen = {}
+    every_efficiency = {t for n in ASSIGNMENTS for t in efficiency(n)}
     for n, a in MAPPING["assignment"].items():
         assert a["title"] and a["stubs"] and a["tests"], f"assignment {n} needs a title, stubs and tests"
         for key, hint in a["stubs"].items():
@@ -136,6 +171,9 @@ def test_mapping_names_real_functions_once():
             seen[key] = n
         for p in a.get("private", []):
             assert p.startswith(ma.PRIVATE_DIR) and (ROOT / p.split("::")[0]).is_file(), p
+        both = [t for t in correctness(n) if grading.is_efficiency_test(MAPPING["assignment"], t)]
+        assert not both, f"assignment {n}: {both[0]} is a correctness test here and an efficiency test elsewhere"
+    assert every_efficiency, "no efficiency tests: tests/test_step_cost.py's bounds are efficiency"
 
 
 @pytest.mark.parametrize("n", ASSIGNMENTS)
@@ -159,7 +197,8 @@ def test_student_version_fails_exactly_its_graded_tests(kit, n):
         for name, hint in stubs:
             assert ma.get_body(source, name) == [ma.stub_line(ma.body_range(source, name)[2], n, hint)]
     mapping = ma.load_mapping(copy / ma.MAPPING)
-    assert mapping["default"] == n and mapping["assignment"] == {n: dict(a, private=a.get("private", []))}
+    assert mapping["default"] == n
+    assert mapping["assignment"] == {n: dict(a, private=a.get("private", []), efficiency=efficiency(n))}
     assert (copy / "ASSIGNMENT.md").read_text().startswith(f"# Assignment {n}: {a['title']}")
     for excluded in MAPPING["exclude"]:
         assert not (copy / excluded).exists()
@@ -180,17 +219,42 @@ def test_original_bodies_give_back_the_project(kit, n):
 
 
 def test_restored_student_version_passes_every_assignment(kit):
-    """grade.py in a restored copy: every graded test of every assignment passes, exit status 0."""
+    """grade.py in a restored copy: every test of every assignment passes, exit status 0; each
+    assignment is correct, and its efficiency line gives the reference's own figures, within bounds."""
     proc, out = kit["restored"]
     assert proc.returncode == 0, out
     result = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "result.json").read_text())
     assert result["passed"] and [r["assignment"] for r in result["assignments"]] == ASSIGNMENTS
     for r in result["assignments"]:
-        assert [t["test"] for t in r["tests"]] == graded(r["assignment"])
-        assert all(0 < t["passed"] == t["cases"] for t in r["tests"]), r
+        n, eff = r["assignment"], r["efficiency"]
+        assert [t["test"] for t in r["tests"]] == correctness(n)
+        assert [t["test"] for t in eff["tests"]] == efficiency(n)
+        assert all(0 < t["passed"] == t["cases"] for t in r["tests"] + eff["tests"]), r
+        assert r["correct"] and r["passed"]
         k = len(r["tests"])
-        assert f"Score: {k}/{k} tests pass" in proc.stdout
+        assert f"correct: yes ({k}/{k} tests pass" in proc.stdout
+        assert f"efficiency: {eff['summary']}" in proc.stdout
+        if efficiency(n):
+            m = eff["measures"]
+            assert f"{m['ops_per_step']:.1f}" == f"{m['reference_ops_per_step']:.1f}", (
+                f"the reference counts {m['ops_per_step']:.2f} ops per step: "
+                "update REFERENCE_OPS_PER_STEP in tests/test_step_cost.py")
+            assert "over" not in eff["summary"] and "host read per step" in eff["summary"], eff["summary"]
     assert f"{len(ASSIGNMENTS)}/{len(ASSIGNMENTS)} assignments pass" in proc.stdout
+
+
+def test_a_correct_but_slower_step_passes_and_is_reported_slower(kit):
+    """grade.py on assignment 3 done right but with 3 ops more a step than the reference (past the ops
+    bound): correct, exit status 0; the efficiency test is OVER and the efficiency line says by how much."""
+    proc, out = kit["slower-3"]
+    assert proc.returncode == 0, out
+    [r] = json.loads((kit["base"] / "slower-3" / "result.json").read_text())["assignments"]
+    assert r["correct"] and all(0 < t["passed"] == t["cases"] for t in r["tests"]), out
+    m = r["efficiency"]["measures"]
+    assert m["ops_per_step"] > m["reference_ops_per_step"] and m["ops_ratio"] > m["ops_ratio_bound"], m
+    assert m["host_reads_per_step"] <= m["host_reads_bound"], m
+    assert "correct: yes" in proc.stdout and "(bound 1.30: over)" in proc.stdout, out
+    assert re.search(r"OVER +0/1 +tests/test_step_cost.py::test_a_step_launches", proc.stdout), out
 
 
 def test_private_tests_stay_out_of_student_versions_and_are_graded(kit):
@@ -274,8 +338,9 @@ def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(kit):
     """grade.py in the copy for 3 as handed out: its own tests fail with its stubs, the end-to-end ones
     wait for assignment 4 (LATER); once 3 is done, the copy passes although 4 and 5 are still stubs."""
     graded_now = grading.graded_in_sequence(MAPPING["assignment"], "3")
-    waits = [t for t in graded("3") if t not in graded_now]
-    assert graded_now and waits
+    waits = [t for t in correctness("3") if t not in graded_now]
+    assert graded_now and waits and efficiency("3")
+    assert grading.graded_in_sequence(MAPPING["assignment"], "3", "efficiency") == []  # a step needs 4
     for name, code in (("in-sequence-3", 1), ("done-in-sequence-3", 0)):
         proc, out = kit[name]
         assert proc.returncode == code, out
@@ -283,6 +348,10 @@ def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(kit):
         assert [r["assignment"] for r in result] == ["3"], out
         assert [r["test"] for r in result[0]["tests"]] == graded_now
         assert [(r["test"], r["waits_for"]) for r in result[0]["later"]] == [(t, "4") for t in waits]
+        eff = result[0]["efficiency"]
+        assert eff["tests"] == [], out
+        assert [(r["test"], r["waits_for"]) for r in eff["later"]] == [(t, "4") for t in efficiency("3")]
+        assert "efficiency: not measured yet: its tests need assignment 4" in proc.stdout, out
         assert f"{len(waits)} more test(s) grade this assignment end to end" in proc.stdout
         for r in result[0]["tests"]:
             assert (r["passed"] == r["cases"] > 0) if code == 0 else "NotImplementedError: Assignment 3:" in r["message"]
@@ -302,3 +371,103 @@ def test_hints_in_two_levels(capsys):
     assert grade.main(["99"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err), err
+
+
+def test_hints_name_only_tests_that_run_in_their_copy():
+    """A hint or nudge that names a test (a file under tests/ or a test function) names one that runs
+    in the copy handed out in sequence, correctness or efficiency: not one listed there as LATER."""
+    for n, a in MAPPING["assignment"].items():
+        now = (grading.graded_in_sequence(MAPPING["assignment"], n)
+               + grading.graded_in_sequence(MAPPING["assignment"], n, "efficiency") + a.get("private", []))
+        for key, text in [*a["hints"].items(), *a["stubs"].items()]:
+            for name in re.findall(r"tests/[\w/]+\.py(?:::\w+)?|\btest_\w+", text):
+                runs = any(t == name or t.startswith((name + "::", name + "[")) or f"::{name}" in t for t in now)
+                assert runs, f"assignment {n}, the hint of {key} names {name}, which does not run in its copy"
+
+
+# Run in the project: pytest.raises that notes, for every error a test expected and got, the function
+# that raised it (the innermost frame), the expected types and the pattern.
+RAISES = r'''
+import json, os, sys
+import pytest
+import grading
+seen, real = [], pytest.raises
+
+
+class Noted:
+    def __init__(self, expected, match):
+        self.ctx, self.expected, self.match = real(expected, match=match), expected, match
+
+    def __enter__(self):
+        return self.ctx.__enter__()
+
+    def __exit__(self, kind, error, tb):
+        suppressed = self.ctx.__exit__(kind, error, tb)
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if suppressed and tb is not None:
+            code, expected = tb.tb_frame.f_code, self.expected
+            seen.append(dict(file=os.path.relpath(code.co_filename), function=code.co_qualname, match=self.match,
+                             expected=[e.__name__ for e in (expected if isinstance(expected, tuple) else (expected,))]))
+        return suppressed
+
+
+def raises(expected, *args, match=None, **kw):  # the with-form is noted; pytest.raises(E, f, ...) passes through
+    return real(expected, *args, match=match, **kw) if args or kw else Noted(expected, match)
+
+
+pytest.raises = raises
+grading.run_tests(sys.argv[2:])
+json.dump(seen, open(sys.argv[1], "w"), indent=1)
+'''
+
+
+def test_errors_the_tests_expect_are_stated_where_students_look(tmp_path):
+    """Every error a graded test expects (pytest.raises) from a function students write is stated in
+    that function's docstring and in its hint: the type, and the words the pattern matches. An error
+    raised by code the student reads (validate_choices, say) shows its words itself."""
+    specs = []
+    for file in GRADED_FILES:
+        module = ast.parse((ROOT / file).read_text())
+        raising = {f.name for f in module.body if isinstance(f, ast.FunctionDef) and "pytest.raises(" in ast.unparse(f)}
+        specs += [t for n in ASSIGNMENTS for t in graded(n) if t.startswith(f"{file}::")
+                  and t.split("::")[1].split("[")[0] in raising]
+    out = tmp_path / "raised.json"
+    proc = subprocess.run([sys.executable, "-c", RAISES, str(out), *dict.fromkeys(specs)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout + proc.stderr
+    seen = json.loads(out.read_text())
+    stubs = {key: a for a in MAPPING["assignment"].values() for key in a["stubs"]}
+    problems = {}
+    for raised in seen:
+        key = f"{raised['file']}:{raised['function']}"
+        if key not in stubs:
+            continue  # raised by code the student reads
+        file, _, name = key.partition(":")
+        docstring = ast.get_docstring(ma.find_function(ast.parse(ma.read_source(ROOT / file)), name)) or ""
+        words = [w.strip() for w in re.split(r"\\.|[.*+?()\[\]{}|^$\\]", raised["match"] or "") if w.strip()]
+        for where, text in (("docstring", docstring), ("hint", stubs[key]["hints"][key])):
+            text = " ".join(text.split())
+            missing = [w for w in words if w not in text]
+            if not any(e in text for e in raised["expected"]):
+                missing.insert(0, " or ".join(raised["expected"]))
+            if missing:
+                problems.setdefault(key, []).append(f"its {where} lacks {missing}")
+    assert {"tree.py:grow_tree", "tree.py:path_probability"} <= {f"{r['file']}:{r['function']}" for r in seen}, seen
+    assert not problems, "\n".join(f"{key}: {'; '.join(p)}" for key, p in problems.items())
+
+
+def test_a_wrong_error_message_is_shown_with_the_pattern_it_missed(tmp_path):
+    """grade.py's line for a failed pytest.raises(match=...) holds the pattern and the message it got."""
+    script = """
+import json, sys, grading
+reworded = dict(name="reworded", function="tree.py:grow_tree", replace="supplies 1..", **{"with": "holds 1.."})
+with grading.planted(reworded):
+    cases = grading.run_tests(["tests/test_tree.py::test_grow_tree_on_a_hand_made_table"])
+json.dump(cases, open(sys.argv[1], "w"))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.json")], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    [case] = json.loads((tmp_path / "cases.json").read_text()).values()
+    assert case["outcome"] == "failed" and "\n" not in case["message"], proc.stdout + proc.stderr
+    assert re.search(r"Regex pattern did not match\..*'supplies'.*holds 1\.\.6 nodes", case["message"]), case

@@ -1,7 +1,8 @@
 """The grader's own check (instructors): every bug planted from mutants.toml makes one of its
-assignment's graded tests fail, and every correct rewrite there passes them.
+assignment's correctness tests fail (never only an efficiency test), and every correct rewrite
+there passes them, a slower one included.
 
-One `python grade.py --mutants` process runs them all (about 15 CPU-seconds): each fault is planted
+One `python grade.py --mutants` process runs them all (about 20 CPU-seconds): each fault is planted
 in the reference code at run time by swapping one function's code, and only its listed tests run,
 stopping at the first failure."""
 import json
@@ -51,10 +52,40 @@ def test_each_planted_fault_is_caught(table, n):
 
 @pytest.mark.parametrize("n", list(ASSIGNMENTS))
 def test_correct_rewrites_pass(table, n):
+    """Every correct rewrite passes the tests of its function (a slower one: all of its assignment's)."""
     proc, rows = table
     failing = [f"{r['name']}: {r['by']}: {r['message']}" for r in rows
                if r["assignment"] == n and r["kind"] == "equivalent" and not r["ok"]]
     assert not failing, "\n".join(failing)
+
+
+def test_a_correct_but_slower_rewrite_is_correct_and_reported_slower(table):
+    """evaluate_posterior with 3 ops more a step (one host read, as the reference): it passes every
+    correctness test of assignment 3 handed out in sequence, and the efficiency tests report it past
+    the ops bound; correctness and efficiency are graded apart."""
+    proc, rows = table
+    [r] = [r for r in rows if r["kind"] == "equivalent" and "efficiency" in r]
+    assert r["ok"] and r["assignment"] == "3", r
+    assert r["cases"] >= len(grading.graded_in_sequence(ASSIGNMENTS, "3")), r
+    m = r["efficiency"]["measures"]
+    assert m["ops_per_step"] > m["reference_ops_per_step"] and m["ops_ratio"] > m["ops_ratio_bound"], m
+    assert m["host_reads_per_step"] <= m["host_reads_bound"], m
+    assert f"efficiency: {r['efficiency']['summary'][:60]}" in proc.stdout
+
+
+def test_no_fault_is_caught_only_by_an_efficiency_test(tmp_path):
+    """load_mutants refuses a fault whose tests include an efficiency test: a fault is caught by what
+    the code does; what it costs is reported apart."""
+    for n, a in ASSIGNMENTS.items():
+        for t in a.get("efficiency", []):
+            assert not any(grading.matches(t, s) or grading.matches(s, t)
+                           for m in DATA["mutant"] + DATA["equivalent"] for s in m["tests"]), (n, t)
+    path = tmp_path / "mutants.toml"
+    path.write_text('[[mutant]]\nassignment = "3"\nname = "costly"\nfunction = "verify.py:evaluate_posterior"\n'
+                    'replace = "a"\nwith = "b"\n'
+                    'tests = ["tests/test_step_cost.py::test_a_step_launches_few_ops_more_than_a_plain_token"]\n')
+    with pytest.raises(grading.UsageError, match="'costly' runs tests/test_step_cost.py::.*, an efficiency test"):
+        grading.load_mutants(ASSIGNMENTS, path)
 
 
 def test_a_fault_that_no_longer_fits_fails_loudly():

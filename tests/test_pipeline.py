@@ -68,7 +68,7 @@ def test_a_tree_is_grown_for_exact_sampling(tiny_run):
     result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--tokens", "12", "--temperature", "0.7",
                              "--sampling", "exact"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert f"{len(tree)}-node tree" in result.stdout
+    assert f"tree: {len(tree)} nodes" in result.stdout
 
 
 def test_an_mtp_base_is_never_taken_for_a_plain_one(tiny_run):

@@ -84,6 +84,25 @@ def test_generate_candidates_reads_head_ranks(device):
     assert candidates.tolist() == [[7, 9, 0], [7, 8, -1]], f"candidates {candidates.tolist()}: padding is -1"
 
 
+def test_candidates_read_only_the_trees_heads_and_pad_short_rows(device):
+    """With more heads than the tree is deep, only the first buffers.depth heads are read, and every
+    slot past the end of a shorter row is -1 (a head past the tree's depth would put a token there)."""
+    V, K = 16, 5
+    base = torch.zeros(V, device=device); base[2] = 5.0  # the root: token 2
+    # Head k (1-based) ranks its tokens 3k, 3k + 1, ... (mod V): head 5, past every tree here, says 15.
+    heads = torch.stack([-((torch.arange(V) - 3 * k) % V).float() for k in range(1, K + 1)]).to(device)
+    for choices, expected in [
+        # SPARSE, 4 deep: rows end at (0,0,0,0), (0,0,1), (1,0), (0,1) and (2,)
+        (SPARSE, [[2, 3, 6, 9, 12], [2, 3, 6, 10, -1], [2, 4, 6, -1, -1], [2, 3, 7, -1, -1], [2, 5, -1, -1, -1]]),
+        ([(0,), (1,), (0, 0)], [[2, 3, 6], [2, 4, -1]]),  # 2 deep, 5 heads
+    ]:
+        b = build_tree_buffers(choices, device)
+        _, candidates = generate_candidates(base, heads, b)
+        got = candidates.tolist()
+        assert got == expected, (f"{K} heads, a {b.depth}-deep tree: candidates {got}, expected {expected} (head "
+                                 f"k's rank r is token 3k + r; only heads 1..{b.depth} are read; -1 past a row's end)")
+
+
 def test_gather_paths_lays_node_values_along_rows():
     """Row r, slot j holds the value of node retrieve_indices[r, j]; a padded slot reads the root's."""
     b = build_tree_buffers([(0,), (1,), (0, 0)])  # rows: root,(0),(0,0) and root,(1),pad
