@@ -4,6 +4,7 @@
     python benchmark.py --out out --breakdown      # where a step's time goes, ideal against actual
     python benchmark.py --out out --ops            # kernel-launching ops per step: the GPU proxy
     python benchmark.py --out out --ceiling        # exact sampling: our heads against the best any heads could do
+    python benchmark.py --out out --nodes 4,10,16  # greedy, every drafter on its own grown tree of each size
 
 Every figure is a median over interleaved repeats: on a small shared machine, timings drift, and
 running the sides one after the other would hand the drift to one of them. Each side runs at every
@@ -11,17 +12,31 @@ CPU thread count from 1 to the number of cores, and a speedup compares each side
 count. Writes out/report.json, out/report.md and PNGs, and prints the table.
 """
 import argparse
+import json
 import os
 import sys
 
 import torch
 
 import common
+import grading
 import measure
 from common import random_prompts
 
+
+def node_counts(text):
+    """--nodes 4,10,16 -> [4, 10, 16]."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give tree sizes as numbers, e.g. 4,10,16") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every tree size must be at least 1")
+    return sizes
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Re-run the report on the trained drafters in a folder.")
+    p = common.ArgumentParser(description="Re-run the report on the trained drafters in a folder.")
     p.add_argument("--out", default="out", help="folder holding medusa.pt (and eagle.pt) and the tokenizer; "
                                                 "the report goes here")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: every count from 1 to the cores)")
@@ -34,12 +49,16 @@ def main(argv=None):
     p.add_argument("--ceiling", action="store_true",
                    help="only measure exact sampling at T=0.7: our heads, the best any heads could do, the best a "
                         "conditional drafter could do, and our EAGLE layer where there is one")
+    p.add_argument("--nodes", type=node_counts, metavar="N,N,...",
+                   help="only greedy decoding, every drafter on its own grown tree of each size, against plain "
+                        "greedy: tokens/step at equal tree size; writes OUT/equal_trees.json")
     a = p.parse_args(argv)
     for flag in ("threads", "prompts", "tokens"):
         if getattr(a, flag) is not None and getattr(a, flag) < 1:
             raise ValueError(f"--{flag} {getattr(a, flag)}: must be at least 1")
-    if a.breakdown + a.ops + a.ceiling > 1:
-        raise ValueError("--breakdown, --ops and --ceiling each measure one thing: give one of them")
+    if a.breakdown + a.ops + a.ceiling + bool(a.nodes) > 1:
+        raise ValueError("--breakdown, --ops, --ceiling and --nodes each measure one thing: give one of them")
+    grading.require(None, "benchmark.py")  # in a student copy: every assignment written
     if a.threads:
         torch.set_num_threads(a.threads)
     device = common.pick_device(a.device)
@@ -73,6 +92,11 @@ def main(argv=None):
             return print(measure.format_ops(measure.count_ops(model, prompt, tree, args.report_tokens)))
         return measure.breakdown(model, prompt, tree, args.report_tokens)
     prompts = random_prompts(val_ids, args.report_prompts, measure.REPORT_PROMPT, args.seed + 5, device)
+    if a.nodes:
+        table = measure.equal_trees(models, prompts, args.report_tokens, a.nodes, measure.thread_counts(device, a.threads))
+        with open(os.path.join(a.out, "equal_trees.json"), "w") as f:
+            json.dump(measure.stamped(table), f, indent=1)
+        return table
     report = measure.run_report([measure.drafted(d, m, c) for d, (m, c) in models.items()], prompts,
                                 args.report_tokens, measure.thread_counts(device, a.threads))
     report.update(preset=args.preset, device=str(device),

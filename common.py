@@ -1,6 +1,7 @@
 """What train_heads.py, benchmark.py, sample.py and the notebooks share: presets, the device,
 checkpoints, the data and prompts. Nothing here trains or times anything, so every command can
 import it without importing another command (the imports form no cycle)."""
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -237,6 +238,11 @@ def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
         raise ValueError(f"{path} does not hold a medusa-mini {kind} model ({type(e).__name__}: "
                          f"{str(e).splitlines()[0]})") from None
     model = draft_cheaply(model.to(device).eval(), device)
+    ref = ckpt.get("tokenizer") or {}
+    if ref.get("kind") == "bpe" and not os.path.exists(ref["path"]):  # a run folder copied elsewhere (a student
+        moved = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ref["path"]))  # copy): its
+        if os.path.exists(moved):                                                                   # own file
+            ref["path"] = moved
     if ckpt.get("draft_vocab") is not None:  # the tokens the drafter was trained on (SmolLM2)
         model.draft_vocab = ckpt["draft_vocab"].to(device)
     return model, ckpt
@@ -261,14 +267,21 @@ def file_digest(path):
 
 # Every flag of train_heads.py that is not a preset size, with its default: a finished run re-opened
 # by another command (benchmark.py, the notebooks) gets the same settings.
+class ArgumentParser(argparse.ArgumentParser):
+    """The commands' argparse: a mistake on the command line (an unknown flag, a bad value) raises
+    ValueError, which each command prints as one line, `error: ...`; argparse would print its usage first."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 RUN_DEFAULTS = dict(base="gpt", data=None, tokenizer="bpe", val_plays=3, distill=True, joint=False,
                     share_lm_head=False, resume=False, threads=None, seed=0, drafters=["medusa"], mtp=0,
-                    mtp_lambda=None)
+                    mtp_lambda=None, eagle_loss="eagle1")
 
 
 def run_args(preset, out, device="cpu", **settings):
     """The settings of a run: the defaults, the preset's sizes, then `settings` (e.g. a checkpoint's own)."""
-    import argparse
     args = argparse.Namespace(preset=preset, out=out, device=torch.device(device))
     for key, value in {**RUN_DEFAULTS, **PRESETS[preset], **settings}.items():
         setattr(args, key, value)

@@ -75,16 +75,17 @@ class EagleModel(nn.Module):
 
 NOISE = 0.2             # EAGLE-1: uniform noise U(-0.1, 0.1) on the input features, for robustness to its own errors
 TOKEN_LOSS_WEIGHT = 0.1  # EAGLE-1: loss = SmoothL1(feature) + 0.1 x cross-entropy(token distribution)
+LOSSES = {"eagle1": (1.0, TOKEN_LOSS_WEIGHT),  # (feature weight, token weight): EAGLE-1's loss
+          "tokens": (0.0, 1.0)}                # the token loss alone, as EAGLE-3 trains (without its training-time test)
 
 
-def eagle_loss(layer, base, f, tokens, positions, mask=None, vocab=None, noise=NOISE,
-               token_weight=TOKEN_LOSS_WEIGHT):
+def eagle_loss(layer, base, f, tokens, positions, mask=None, vocab=None, noise=NOISE, weights=LOSSES["eagle1"]):
     """EAGLE-1's training loss on one batch of a frozen base's features.
 
     f (B, T, C): the base's last hidden states at positions (T,); tokens (B, T): the token after each
     (tokens[:, i] = t_{i+1}). Entry i, fed f_i + noise and t_{i+1}, predicts f_{i+1}: SmoothL1 against
-    the true f_{i+1}, plus token_weight x the cross-entropy from the base's next-token distribution
-    there (softmax of lm_head(f_{i+1}), soft targets) to the draft's. Causal over the T - 1 entries.
+    the true f_{i+1}, plus the cross-entropy from the base's next-token distribution there (softmax of
+    lm_head(f_{i+1}), soft targets) to the draft's, weighted by `weights` (feature, token). Causal over the T - 1 entries.
     mask (B, T - 1): the entries that count (rows of different lengths; default all). vocab (V',):
     both distributions over those token ids only (SmolLM2: the tokens its texts use). Returns (loss,
     feature loss, token loss, top-1 agreement with the base), 0-d tensors."""
@@ -99,7 +100,7 @@ def eagle_loss(layer, base, f, tokens, positions, mask=None, vocab=None, noise=N
         p_base = F.softmax(F.linear(target[mask], w).float(), -1)                     # (M, V')
     token_loss = -(p_base * logp).sum(-1).mean()
     agree = (logp.argmax(-1) == p_base.argmax(-1)).float().mean()
-    return feature_loss + token_weight * token_loss, feature_loss, token_loss, agree
+    return weights[0] * feature_loss + weights[1] * token_loss, feature_loss, token_loss, agree
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,9 +227,13 @@ class FeatureDrafter(Drafter):
 
     # -------------------------------------------------------------- the pieces of one step
 
+    def _logits(self, index, out):
+        """Logits over the drafting vocabulary of layer `index`'s outputs (E, C): (E, V'). Ranks need no more."""
+        return F.linear(self.run[index].norm_out(out), self.head)
+
     def _logp(self, index, out):
-        """Log-probabilities over the drafting vocabulary of layer `index`'s outputs (E, C): (E, V')."""
-        return F.log_softmax(F.linear(self.run[index].norm_out(out), self.head).float(), -1)
+        """Log-probabilities over the drafting vocabulary: what a dynamic tree's values add up."""
+        return F.log_softmax(self._logits(index, out).float(), -1)
 
     def _layer_of(self, d):
         """(which layer drafts the children of a depth-d node, how far past L - 1 its entry sits)."""
@@ -255,11 +260,10 @@ class FeatureDrafter(Drafter):
         """The entries of E nodes at depth d >= 1, in one forward: fed their parents' entry outputs (E, C)
         and their own tokens (E,); mask (E, P + E): what each sees of the P tree entries already in this
         layer and of the new ones (its ancestors' and itself), bool or additive; the layer's committed
-        entries are visible to all. Returns (outputs (E, C), log-probabilities (E, V'))."""
+        entries are visible to all. Returns the outputs (E, C)."""
         index, offset = self._layer_of(d)
         anchors = torch.full((node_tokens.numel(),), L - 1 + offset, device=self.device)
-        out = self.run[index](self.base, parent_out[None], node_tokens[None], anchors, mask, self.caches[index])[0]
-        return out, self._logp(index, out)
+        return self.run[index](self.base, parent_out[None], node_tokens[None], anchors, mask, self.caches[index])[0]
 
     def _rows_for(self, d, rows, parents):
         """The new entries' rows over this layer's tree entries: their parents' rows, then themselves (E, P+E);
@@ -286,13 +290,13 @@ class FeatureDrafter(Drafter):
     def _static(self, root, root_out, buffers, L):
         """A fixed tree: node (r1, ..., rd) carries rank rd of the distribution drafted for its parent."""
         topk, plan = _static_plan(tuple(buffers.node_paths), len(self.layers), str(self.device))
-        ranks = self._logp(0, root_out[None]).topk(topk[0], -1).indices    # (1, K_1): the root's children
+        ranks = self._logits(0, root_out[None]).topk(topk[0], -1).indices  # (1, K_1): the root's children
         out, tokens = root_out[None], [root.view(1)]
         for d, step in enumerate(plan, start=1):
             tokens.append(self._tokens(ranks.flatten()[step.rank_index]))   # (n_d,) this depth's tokens
             if d < len(plan):                                                 # draft depth d + 1
-                out, logp = self._expand(d, out[step.parent_entry], tokens[-1][step.expand], step.mask, L)
-                ranks = logp.topk(topk[d], -1).indices                       # (E_d, K_{d+1})
+                out = self._expand(d, out[step.parent_entry], tokens[-1][step.expand], step.mask, L)
+                ranks = self._logits(self._layer_of(d)[0], out).topk(topk[d], -1).indices  # (E_d, K_{d+1})
         tree_tokens = torch.cat(tokens)                                      # (N,): node order is depth by depth
         candidates = torch.where(buffers.padding, -1, tree_tokens[buffers.gather_index])  # (P, L)
         return Draft(tree_tokens, candidates, buffers)
@@ -306,8 +310,8 @@ class FeatureDrafter(Drafter):
         frontier, parents = torch.arange(k, device=self.device), torch.zeros(k, dtype=torch.long, device=self.device)
         for d in range(1, depth):                                            # draft depth d + 1
             rows = self._rows_for(d, rows, parents)                          # (k, P + k)
-            out, logp = self._expand(d, out, self._tokens(ids[-1][frontier]), rows, L)
-            top = logp.topk(k, -1)                                           # (k, k): each node's k best
+            out = self._expand(d, out, self._tokens(ids[-1][frontier]), rows, L)
+            top = self._logp(self._layer_of(d)[0], out).topk(k, -1)         # (k, k): each node's k best
             children = values[-1][frontier, None] + top.values.double()     # (k, k): the paths' log-probs
             values.append(children.flatten())                                # (k*k,) entry-major
             ids.append(top.indices.flatten())

@@ -102,6 +102,22 @@ def stubbed_here(assignment: dict, root=ROOT) -> bool:
     return False
 
 
+def require(numbers, command: str, root=ROOT):
+    """For a command run in a student copy: a ValueError naming the first of these assignments (None:
+    all of them) whose functions are still stubs here, so that the command stops with one line before
+    doing anything. In the full project (no stubs) it costs a parse of the stubbed files."""
+    try:
+        assignments = load_mapping(os.path.join(root, MAPPING))["assignment"]
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    for n, a in assignments.items():
+        if numbers is not None and n not in numbers:
+            continue
+        if stubbed_here(a, root):
+            raise ValueError(f"{command} needs assignment {n} ({a['title']}), still stubs in this copy: "
+                             f"write it, and check it with `python grade.py {n}`")
+
+
 # ----------------------------------------------------------------------------------------------
 # The mapping: which tests grade an assignment now, and which wait for a later one
 

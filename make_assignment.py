@@ -161,10 +161,17 @@ def student_note(number, assignment: dict, line_numbers: dict[str, int], graded:
     name = next(iter(assignment["stubs"])).partition(":")[2].rpartition(".")[2]
     return f"""# Assignment {number}: {assignment['title']}
 
-Everything in this copy of medusa-mini works except the functions below: each keeps its signature
-and docstring, which states what it must do, and its body raises `NotImplementedError` with a short
-nudge. Implement them. The functions of later assignments are stubs too, with no hint: they are
-not part of this assignment.
+In this copy of medusa-mini, the functions below keep their signature and docstring, which states
+what each must do, and their body raises `NotImplementedError` with a short nudge. Implement them.
+The functions of later assignments are stubs too, with no hint: they are not part of this assignment.
+
+What runs in this copy now, and what waits:
+- **The notebooks** (`jupyter lab notebooks/`) run top to bottom, on a model your instructor trained
+  with the reference code (in `out/tiny/`, and in `out/` when there was a full run): a cell that needs
+  an assignment not written yet prints one line saying which, and is skipped.
+- **`python sample.py`** runs once assignments 1 to 4 are written (and 6, for `--drafter eagle`).
+- **`python train_heads.py`, `benchmark.py` and `ablation.py`** run the whole pipeline, which needs
+  every assignment: until then each stops with one line naming the first it waits for.
 
 | function | where | nudge |
 |---|---|---|
@@ -215,9 +222,29 @@ def clear_leaking_outputs(notebook: str, lines) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n" if changed else notebook
 
 
-def make_assignment(number, out, root=ROOT, in_sequence=True) -> list[str]:
+RUN_FILES = ("base.pt", "medusa.pt", "eagle.pt", "distill.pt", "bpe", "train_ids", "val_ids")  # a run's own files
+
+
+def copy_trained_runs(root: Path, out: Path):
+    """The instructor's trained models into a copy, for its notebooks and sample.py, which then need no
+    pipeline: the tiny preset's run (training.tiny_run: trained now with the reference code when there
+    is none) into out/tiny/, and the full run, where it has finished, into out/."""
+    import training  # torch: only when a copy gets a model
+    runs = [Path(training.tiny_run(root / "out"))]
+    if training.run_finished(root / "out" / "medusa.pt"):
+        runs.append(root / "out")
+    for run in runs:
+        target = out / run.relative_to(root)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(run):
+            if name.startswith(RUN_FILES):
+                shutil.copy2(run / name, target / name)
+
+
+def make_assignment(number, out, root=ROOT, in_sequence=True, models=True) -> list[str]:
     """Copy the project at `root` into `out` with assignment `number` stubbed, and (in_sequence) every
-    later assignment's functions stubbed without a hint; return the files written."""
+    later assignment's functions stubbed without a hint, and (models) the instructor's trained runs
+    (copy_trained_runs); return the project files written."""
     root, out = Path(root).resolve(), Path(out).resolve()
     mapping = load_mapping(root / MAPPING)
     assignment = get_assignment(mapping, number)
@@ -253,6 +280,8 @@ def make_assignment(number, out, root=ROOT, in_sequence=True) -> list[str]:
                 write_source(out / f, cleared)
     for file, source in stubbed.items():
         write_source(out / file, source)
+    if models:
+        copy_trained_runs(root, out)
     (out / MAPPING).write_text(student_mapping(number, assignment, later), encoding="utf-8")
     waiting = {}
     for key in ("tests", "efficiency"):

@@ -164,6 +164,37 @@ def summarise(runs, name, baseline, threads, n_new=None):
     return row
 
 
+def equal_trees(models, prompts, n_new, sizes, threads, repeats=REPORT_REPEATS):
+    """Greedy decoding with every drafter on its own grown tree of each size (the first n nodes of the
+    order its accuracies grew: the tree grow_tree picks for n), interleaved with plain greedy: tokens per
+    step and speed at equal tree size. models: {name: (model, checkpoint)}. Prints the table and
+    returns {"n nodes": {name: summarise's row + "greedy_identical"}}."""
+    modes = {"plain greedy": (generate, {})}
+    for name, (model, ckpt) in models.items():
+        order = [tuple(p) for p in ckpt["grown_order"]]
+        for n in sizes:
+            if n > len(order):
+                raise ValueError(f"--nodes {n}: {name}'s grown order has {len(order)} nodes")
+            modes[f"{name}, {n} nodes"] = (common.GENERATE[name], dict(model=model, tree=order[:n]))
+    first = next(iter(models.values()))[0]
+    print(f"equal trees: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
+          f"{n_new} tokens, interleaved")
+    runs = compare(first, prompts, n_new, modes, repeats, threads)
+    plain = runs["plain greedy", threads[0]]["outputs"]
+    table = {}
+    print("\n| tree | drafter | tokens/step | tokens/s (best) | speedup (best vs best) | step cost (x plain) "
+          "| = plain greedy |\n|---|---|---|---|---|---|---|")
+    for n in sizes:
+        for name in models:
+            row = summarise(runs, f"{name}, {n} nodes", "plain greedy", threads, n_new)
+            same = [x == y for x, y in zip(runs[f"{name}, {n} nodes", threads[0]]["outputs"], plain)]
+            row["greedy_identical"] = sum(same) / len(same)
+            table.setdefault(f"{n} nodes", {})[name] = row
+            print(f"| {n} nodes | {name} | {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.0f} ({row['threads']} "
+                  f"thr) | {row['speedup']:.2f}x | {row['overhead_per_step']:.2f} | {row['greedy_identical']:.0%} |")
+    return table
+
+
 def tree_label(tree) -> str:
     """How a tree reads in a table: its node count, or a dynamic tree's settings."""
     if isinstance(tree, DynamicTree):
@@ -434,10 +465,16 @@ def format_ops(ops):
             f"{ops['ops_ratio']:.2f} = {ops['projected_speedup']:.2f}x (a projection, not a measurement)")
 
 
+def stamped(results):
+    """Results with the date and time (UTC) and the command that measured them, as a JSON file keeps them."""
+    return {**results, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]])}
+
+
 def write_report(report, out):
-    """report.json, report.md and the PNGs; prints the table."""
+    """report.json (stamped), report.md and the PNGs; prints the table."""
     with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        json.dump(stamped(report), f, indent=1, default=str)
     pngs = plot_report(report, out)
     table = format_table(report)
     md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",

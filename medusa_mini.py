@@ -150,7 +150,8 @@ class MedusaHead(nn.Module):
     """logits_k = W2 (h + SiLU(W1 h + b1)). With W1 = 0 and b1 = 0 it is exactly the base lm_head.
 
     W2 is the head's own copy of lm_head (the paper), or, with share_lm_head, the base's frozen
-    lm_head itself (as Hydra and EAGLE do): then a head is only its residual block."""
+    lm_head itself (as EAGLE's draft layer reads its tokens through it): then a head is only its
+    residual block."""
 
     def __init__(self, base, share_lm_head: bool = False):
         """The head of a base GPT: `residual`, nn.Linear(C, C) holding W1 and b1, and `proj`,

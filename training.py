@@ -5,6 +5,7 @@ text -> Medusa-1 heads (optionally Medusa-2) -> head accuracies and a tree chose
 device -> report (measure.py). Every stage prints what it measured. The notebooks open the
 finished run through trained_model().
 """
+import contextlib
 import copy
 import math
 import os
@@ -21,6 +22,7 @@ from common import (cpu_has_native_bf16, draft_cheaply, file_digest, gpt_base, l
                     load_tokenizer, prepare_data, random_prompts, read_checkpoint, run_args, save_checkpoint,
                     sync, windows)
 from common import GENERATE
+from eagle import LOSSES as EAGLE_LOSSES
 from eagle import DynamicTree, EagleModel, FeatureDrafter, chain_accuracies, eagle_loss
 from mtp import MTPModel, mtp_losses, mtp_weight
 from medusa_mini import GPT, GPTConfig, MedusaDrafter, MedusaModel, generate, medusa_loss
@@ -332,12 +334,14 @@ def stage_heads(args, base, base_metrics, config, tokenizer, train_ids, val_ids,
 def stage_eagle(args, base, config, tokenizer, train_ids, val_ids, device):
     """Stage 2 for EAGLE: one draft layer on the frozen base (eagle.py), trained on the same self-distilled
     text as the heads with EAGLE-1's loss: SmoothL1 on the predicted feature plus 0.1 x the
-    cross-entropy from the base's next-token distribution, noise on the input features. The base's
+    cross-entropy from the base's next-token distribution, noise on the input features (args.eagle_loss
+    "tokens": the cross-entropy alone, the comparison ablation.py --eagle-loss runs). The base's
     features are computed batch by batch (it is frozen: no graph)."""
     path = os.path.join(args.out, "eagle.pt")
     model = EagleModel(base).to(device)
-    settings = {k: getattr(args, k) for k in ("preset", "eagle_steps", "eagle_lr", "distill_prompts", "distill_len",
-                                              "distill_sampled", "seed", "data", "tokenizer", "vocab_size", "val_plays")}
+    settings = {k: getattr(args, k) for k in ("preset", "eagle_steps", "eagle_lr", "eagle_loss", "distill_prompts",
+                                              "distill_len", "distill_sampled", "seed", "data", "tokenizer", "vocab_size",
+                                              "val_plays")}
     resume = None
     if os.path.exists(path):
         ckpt = load_checkpoint(path, config, device)
@@ -358,7 +362,8 @@ def stage_eagle(args, base, config, tokenizer, train_ids, val_ids, device):
         with torch.no_grad(), autocast(device):
             f = base.hidden(x).float()                                        # (B, T, C): the frozen base's features
         with autocast(device):
-            loss, feature, token, agree = eagle_loss(model.eagle, base, f, y, torch.arange(x.size(1), device=device))
+            loss, feature, token, agree = eagle_loss(model.eagle, base, f, y, torch.arange(x.size(1), device=device),
+                                                     weights=EAGLE_LOSSES[args.eagle_loss])
         return loss, {"feature": feature, "token": token, "top1": agree}
 
     def save(step, opt, history, done, metrics=None):
@@ -395,9 +400,10 @@ def stage_mtp(args, model, base_metrics, config, tokenizer):
     return model.eval(), metrics
 
 
-def mtp_step_ratio(args, config, device, repeats=3):
+def mtp_step_ratio(args, config, device, repeats=5):
     """How much longer a training step of the base takes with args.mtp MTP modules than without them:
-    steps on a throwaway model and batch, the two alternated, medians."""
+    steps on a throwaway model and batch, the two alternated, each side's fastest (the least disturbed
+    by other work on the machine). At least 1: the step with modules does all of the plain step's work."""
     gpt = GPT(config).to(device)
     model = MTPModel(gpt, args.mtp).to(device)
     x = torch.zeros(args.batch_size, args.seq_len + 1, dtype=torch.long, device=device)
@@ -414,7 +420,7 @@ def mtp_step_ratio(args, config, device, repeats=3):
             model.zero_grad(set_to_none=True)
             sync(device)
             times[with_modules].append(time.time() - t0)
-    return statistics.median(times[True][1:]) / statistics.median(times[False][1:])  # the first: warm-up
+    return max(1.0, min(times[True][1:]) / min(times[False][1:]))  # the first: warm-up
 
 
 @torch.no_grad()
@@ -714,23 +720,53 @@ def fast_mode():
     return os.environ.get("CI", "").lower() == "true" or os.environ.get("MEDUSA_FAST") == "1"
 
 
-def trained_model(out=None, device="cpu", drafter="medusa"):
-    """(model, tokenizer, checkpoint) for the notebooks: the drafter `python train_heads.py --drafters
-    medusa,eagle` wrote to out/ (beside this file), or, in fast mode or when there is none, the tiny
-    preset with both drafters, trained once (seconds on a CPU) and kept in out/tiny/."""
-    def finished(path):  # a run that got as far as choosing its tree
-        return os.path.exists(path) and "tree" in read_checkpoint(path)
-
-    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    path = os.path.join(out, f"{drafter}.pt")
-    if fast_mode() or not finished(path):
-        out = os.path.join(out, "tiny")
-        path = os.path.join(out, f"{drafter}.pt")
-        if not finished(path):
-            for name in ("base.pt", "distill.pt", "heads.pt"):  # the notebooks' own cache: files of an
-                stale = os.path.join(out, name)                 # earlier layout are trained again
+def tiny_run(out=None, device="cpu"):
+    """The folder of the tiny preset's run with Medusa and EAGLE (out/tiny/, beside this file, by
+    default): trained once (seconds on a CPU), kept, and reused by the notebooks in fast mode and by
+    student copies (make_assignment.py). Files of an earlier checkpoint layout there are trained again."""
+    out = os.path.join(out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), "tiny")
+    os.makedirs(out, exist_ok=True)
+    with exclusive(os.path.join(out, ".lock")):  # two notebooks opened at once train it once
+        if not run_finished(os.path.join(out, "eagle.pt")):
+            for name in ("base.pt", "distill.pt", "heads.pt"):
+                stale = os.path.join(out, name)
                 if os.path.exists(stale) and "format" not in read_checkpoint(stale):
                     os.remove(stale)
             run(run_args("tiny", out, device, drafters=["medusa", "eagle"]))
+    return out
+
+
+@contextlib.contextmanager
+def exclusive(path):
+    """One process at a time runs the block: an exclusive lock on the file `path` (created if missing),
+    which the system releases when the process ends, however it ends."""
+    with open(path, "a+") as f:
+        if os.name == "nt":
+            import msvcrt
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)  # retries for 10 s, then raises
+                    break
+                except OSError:
+                    continue
+        else:
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def run_finished(path):
+    """Whether a drafter's checkpoint is there and its run got as far as choosing a tree."""
+    return os.path.exists(path) and "tree" in read_checkpoint(path)
+
+
+def trained_model(out=None, device="cpu", drafter="medusa"):
+    """(model, tokenizer, checkpoint) for the notebooks: the drafter `python train_heads.py --drafters
+    medusa,eagle` wrote to out/ (beside this file), or, in fast mode or when there is none, the tiny
+    preset's (tiny_run)."""
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    path = os.path.join(out, f"{drafter}.pt")
+    if fast_mode() or not run_finished(path):
+        path = os.path.join(tiny_run(out, device), f"{drafter}.pt")
     model, ckpt = load_model(path, device, drafter=drafter)
     return model, load_tokenizer(ckpt["tokenizer"]), ckpt

@@ -4,11 +4,14 @@
     import medusa_mini, tree, verify
     model, enc, ckpt, args, train_ids, val_ids = course.load()
 
+and the few things the notebooks do alike: the chosen tree printed in one format (chosen_tree), cells
+that wait for an assignment in a student copy (needs), and the exercises' check (predicted).
 Nothing here is Medusa: the model, the tree and decoding are imported from the repository's files.
 """
 import os
 import platform
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder above notebooks/
 if ROOT not in sys.path:
@@ -19,8 +22,9 @@ import numpy as np  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+import grading  # noqa: E402
 import training  # noqa: E402
-from common import pick_device, prepare_data, run_args  # noqa: E402
+from common import build_base, load_checkpoint, load_tokenizer, pick_device, prepare_data, run_args  # noqa: E402
 
 torch.set_num_threads(1)  # the course runs on small shared machines: one thread is steadier
 plt.rcParams.update({"figure.dpi": 100, "font.size": 11})
@@ -33,10 +37,11 @@ def load():
 
     The model is the one `python train_heads.py` wrote to out/medusa.pt; in fast mode, or before that
     run has finished, the tiny preset, trained once (seconds on a CPU) and kept in out/tiny/.
-    The held-out ids are the plays train_heads.py evaluated on, read back from its token cache."""
+    The held-out ids are the plays train_heads.py evaluated on, read back from its token cache.
+    In a student copy, see _trained."""
     print(f"python {platform.python_version()}, torch {torch.__version__}, matplotlib {matplotlib.__version__}")
     print(f"device: {device}, {torch.get_num_threads()} CPU thread; fast mode: {FAST}")
-    model, enc, ckpt = training.trained_model(device=device)
+    model, enc, ckpt = _trained("medusa")
     cfg = model.base.config
     out = os.path.dirname(ckpt["tokenizer"]["path"])  # the folder the checkpoint came from
     settings = {k: v for k, v in ckpt["settings"].items() if k != "preset"}
@@ -45,6 +50,68 @@ def load():
     print(f"model: preset {ckpt['settings']['preset']!r} from {os.path.relpath(out, ROOT)}/: {cfg.n_layer} layers, "
           f"width {cfg.n_embd}, vocabulary {cfg.vocab_size}, context {cfg.block_size}, {len(model.heads)} Medusa heads")
     return model, enc, ckpt, args, train_ids, val_ids
+
+
+def load_drafter(name):
+    """(model, checkpoint) of another drafter of the same run as load()'s model: "eagle" (its base is a copy of
+    the same trained base)."""
+    model, _, ckpt = _trained(name)
+    return model, ckpt
+
+
+def _trained(drafter):
+    """training.trained_model's (model, tokenizer, checkpoint). In a student copy (make_assignment.py), where some
+    assignments are still stubs, training would run them: the run must be there already, and before
+    assignment 1 is done Medusa's model is the base alone (model.heads is empty)."""
+    waiting = [n for n, a in grading.load_mapping()["assignment"].items() if grading.stubbed_here(a)]
+    if not waiting:
+        return training.trained_model(device=device, drafter=drafter)
+
+    path = os.path.join(ROOT, "out", f"{drafter}.pt")
+    if FAST or not training.run_finished(path):
+        path = os.path.join(ROOT, "out", "tiny", f"{drafter}.pt")
+    if not training.run_finished(path):
+        raise RuntimeError(f"this copy cannot train the course's model: training runs the code of assignments "
+                           f"{', '.join(waiting)}, still to write here. make_assignment.py copies out/tiny/ in; or copy it from "
+                           f"a full checkout where `python train_heads.py --preset tiny --out out/tiny --drafters "
+                           f"medusa,eagle` has run")
+    if drafter != "medusa" or "1" not in waiting:
+        return training.trained_model(device=device, drafter=drafter)
+    ckpt = load_checkpoint(path, device=device)  # no heads to build yet: the base alone
+    base = build_base(ckpt["base"], device)
+    base.load_state_dict({k.removeprefix("base."): v for k, v in ckpt["model"].items() if k.startswith("base.")})
+    print("assignment 1 is not done in this copy: the model is the base alone, without Medusa heads")
+    return types.SimpleNamespace(base=base.eval(), heads=[]), load_tokenizer(ckpt["tokenizer"]), ckpt
+
+
+def needs(*numbers):
+    """Whether assignments `numbers` are written in this copy of the project (their functions are not
+    stubs); for each that is not, one line saying so. A notebook guards the cells that run an
+    assignment's code with it, so that a student copy runs top to bottom. An assignment that
+    assignments.toml does not list counts as written: a copy lists only its own and later ones."""
+    assignments = grading.load_mapping()["assignment"]
+    missing = [str(n) for n in numbers if str(n) in assignments and grading.stubbed_here(assignments[str(n)])]
+    for n in missing:
+        names = ", ".join(key.partition(":")[2] for key in assignments[n]["stubs"])
+        print(f"this cell needs assignment {n} ({names}), not done in this copy")
+    return not missing
+
+
+def chosen_tree(ckpt):
+    """The tree the run chose for this device, as rank paths, printed in the one format every notebook
+    uses (tests/test_notebooks.py checks that all notebooks print the same one: the same run)."""
+    paths = [tuple(p) for p in ckpt["tree"]]
+    print(f"chosen tree: {len(paths)} nodes {[list(p) for p in paths]}")
+    return paths
+
+
+def predicted(*predictions):
+    """An exercise's check runs once its prediction is filled in: False, with one line, while any
+    prediction is still None (the answer is never printed: the check asserts against it)."""
+    if any(p is None for p in predictions):
+        print("make a prediction first: set the variable in the cell above, then run this cell again")
+        return False
+    return True
 
 
 def token_printer(enc):

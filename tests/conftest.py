@@ -112,23 +112,30 @@ def clock_model(num_heads=4, vocab_size=32, block_size=64, n_embd=64):
     the prompt. Its heads are perfect (head k guesses t+k+1 mod V at position t), so every Medusa step
     commits a full path; and a token placed at the wrong position comes out as the wrong number.
 
-    How: the blocks are switched off (zero output projections), so h_t = LayerNorm(wte[x_t] + wpe[t]).
-    wte holds orthonormal rows e_v (lm_head is tied to it), wpe[t] = 8 e_{(t+1) mod V}, and head k
-    projects through e_{(v-k) mod V}: the position term outweighs the token term 8 to 1."""
-    torch.manual_seed(0)
-    model = MedusaModel(GPT(tiny_config(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd)),
-                        num_heads=num_heads)
-    e = torch.linalg.qr(torch.randn(n_embd, n_embd))[0][:vocab_size]      # (V, C), orthonormal rows
-    e = e - e.mean(1, keepdim=True)                                      # LayerNorm removes the mean
-    next_of = (torch.arange(block_size) + 1) % vocab_size
+    The base is clock_gpt's; head k projects through e_{(v-k) mod V}."""
+    base, e = clock_gpt(vocab_size, block_size, n_embd)
+    model = MedusaModel(base, num_heads=num_heads)
     with torch.no_grad():
-        for block in model.base.h:
-            for layer in (block.attn.c_proj, block.mlp[-1]):
-                layer.weight.zero_()
-                layer.bias.zero_()
-        model.base.wte.weight.copy_(e)
-        model.base.wpe.weight.copy_(8 * e[next_of])
         for k, head in enumerate(model.heads, start=1):
             head.proj.weight.copy_(e.roll(k, dims=0))                     # row v = e_{(v-k) mod V}
     return model.eval()
 
+
+def clock_gpt(vocab_size=32, block_size=64, n_embd=64):
+    """The clock model's base: the blocks are switched off (zero output projections), so
+    h_t = LayerNorm(wte[x_t] + wpe[t]). wte holds orthonormal rows e_v (lm_head is tied to it) and
+    wpe[t] = 8 e_{(t+1) mod V}: the position term outweighs the token term 8 to 1, and lm_head reads
+    (t + 1) mod V off position t. Returns (the GPT, e (V, C))."""
+    torch.manual_seed(0)
+    base = GPT(tiny_config(vocab_size=vocab_size, block_size=block_size, n_embd=n_embd))
+    e = torch.linalg.qr(torch.randn(n_embd, n_embd))[0][:vocab_size]      # (V, C), orthonormal rows
+    e = e - e.mean(1, keepdim=True)                                      # LayerNorm removes the mean
+    next_of = (torch.arange(block_size) + 1) % vocab_size
+    with torch.no_grad():
+        for block in base.h:
+            for layer in (block.attn.c_proj, block.mlp[-1]):
+                layer.weight.zero_()
+                layer.bias.zero_()
+        base.wte.weight.copy_(e)
+        base.wpe.weight.copy_(8 * e[next_of])
+    return base.eval(), e

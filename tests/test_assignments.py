@@ -49,7 +49,9 @@ def graded(n) -> list[str]:
 
 GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)})
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
-ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # the graded tests use no plugins: 2 s less a run
+ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: 2 s less a run
+           MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000",  # train_heads.py's allocator settings
+           MALLOC_TOP_PAD_="1000000000")                                  # set: it starts once, not twice
 
 # Run in a student version: import every module, then every test of the graded files (not only the
 # assignment's own), results to suite.json.
@@ -114,9 +116,24 @@ def private_project(base: Path) -> Path:
     return project
 
 
+def notebooks_teaching() -> dict[str, list[str]]:
+    """{assignment: the notebooks that show its code}, from notebooks/README.md's table ("(assignment N)")."""
+    rows = re.findall(r"^\| `(\d\d_\w+\.ipynb)` \|([^\n]*)", (ROOT / "notebooks/README.md").read_text(), re.M)
+    teach = {}
+    for name, row in rows:
+        found = re.search(r"\(assignments? ([\d, ]+)\)", row)
+        for n in found.group(1).replace(" ", "").split(",") if found else []:
+            teach.setdefault(n, []).append(name)
+    return teach
+
+
+TEACHING = notebooks_teaching()
+
+
 def run(cwd, *args):
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    env = dict(ENV, MEDUSA_FAST="1") if "nbconvert" in args else ENV
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc, f"{proc.stdout}{proc.stderr}\n[{time.perf_counter() - start:.1f} s in {cwd}]"
 
 
@@ -141,13 +158,24 @@ def kit(tmp_path_factory):
         ma.make_assignment("3", base / name)
         jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
     restore_bodies(base / "done-in-sequence-3", "3")
+    # Every copy handed out in sequence: what runs there and what stops, naming the assignment it waits for.
+    for n in ASSIGNMENTS:
+        copy = base / f"in-sequence-{n}"
+        if not copy.exists():
+            ma.make_assignment(n, copy)
+        jobs[f"pipeline-{n}"] = (copy, ["train_heads.py", "--preset", "tiny", "--drafters", "medusa,eagle",
+                                         "--out", "out/try"])
+        # The notebooks that show assignment n's code, top to bottom, on the model the copy came with.
+        jobs[f"notebooks-{n}"] = (copy / "notebooks", ["-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                                                       "--output-dir", str(base / f"executed-{n}"),
+                                                       *TEACHING.get(n, [])])
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
             shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
     jobs["slower-3"] = (slower_project(base), ["grade.py", "--json", "result.json"])
     project = private_project(base)
     for name in ("private-missing", "private-present"):
-        ma.make_assignment("2", base / name, root=project, in_sequence=False)
+        ma.make_assignment("2", base / name, root=project, in_sequence=False, models=False)
         jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
     shutil.copytree(project / "tests/private", base / "private-present/tests/private")  # as when grading
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -355,6 +383,34 @@ def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(kit):
         assert f"{len(waits)} more test(s) grade this assignment end to end" in proc.stdout
         for r in result[0]["tests"]:
             assert (r["passed"] == r["cases"] > 0) if code == 0 else "NotImplementedError: Assignment 3:" in r["message"]
+
+
+def outputs(notebook: Path):
+    """The printed text of every cell of an executed notebook."""
+    cells = json.loads(notebook.read_text())["cells"]
+    return ["".join(o.get("text", "")) for c in cells for o in c.get("outputs", []) if o.get("output_type") == "stream"]
+
+
+def test_every_copy_runs_what_it_can_and_names_what_it_waits_for(kit):
+    """In the copy for each assignment N, handed out in sequence: `python train_heads.py --drafters
+    medusa,eagle` stops with one line naming assignment N, before training anything; and the notebooks
+    that show N's code (notebooks/README.md) run top to bottom on the model the copy came with
+    (out/tiny/), their cells that need N saying so. (tests/test_notebooks.py checks every notebook's
+    guards against the README's table, and runs every notebook where nothing is stubbed.)"""
+    for n in ASSIGNMENTS:
+        proc, out = kit[f"pipeline-{n}"]
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1, out
+        assert lines[0].startswith(f"error: train_heads.py needs assignment {n} ("), out
+        assert not (kit["base"] / f"in-sequence-{n}" / "out" / "try" / "base.pt").exists()
+        assert TEACHING.get(n), f"notebooks/README.md names no notebook showing assignment {n}'s code"
+        proc, out = kit[f"notebooks-{n}"]
+        assert proc.returncode == 0, out[-3000:]
+        executed = sorted(p.name for p in (kit["base"] / f"executed-{n}").glob("*.ipynb"))
+        assert executed == sorted(TEACHING[n]), executed
+        for name in executed:
+            printed = "".join(outputs(kit["base"] / f"executed-{n}" / name))
+            assert f"this cell needs assignment {n} (" in printed, f"in the copy for {n}, no cell of {name} waited for it"
 
 
 def test_hints_in_two_levels(capsys):

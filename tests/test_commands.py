@@ -81,6 +81,17 @@ def test_every_command_refuses_a_device_it_does_not_have(main, monkeypatch, tmp_
         main(["--device", "cuda", "--out", str(tmp_path)])
 
 
+@pytest.mark.parametrize("main", [train_heads.main, benchmark.main, sample.main, ablation.main],
+                         ids=["train_heads", "benchmark", "sample", "ablation"])
+def test_a_malformed_flag_is_a_value_error_not_a_usage_dump(main):
+    """argparse's own complaints (a flag without its value, an unknown flag) come as ValueError, which every command
+    prints as one line, `error: ...` (argparse would print its usage first, then the error)."""
+    with pytest.raises(ValueError, match="argument --out: expected one argument"):
+        main(["--out"])
+    with pytest.raises(ValueError, match="unrecognized arguments: --no-such-flag"):
+        main(["--no-such-flag"])
+
+
 def test_sample_refuses_flags_that_would_do_nothing():
     for argv, message in ((["--chat", "hi"], "--chat talks to SmolLM2"),
                           (["--base", "smollm2", "--prompt", "x"], "SmolLM2 takes a --chat"),

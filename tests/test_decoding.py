@@ -414,7 +414,7 @@ def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
     draws x3 without looking at x2 are both rejected by the same test at the same sample size."""
     from eagle import DynamicTree, eagle_generate
     torch.manual_seed(1)
-    T, n = 0.7, 3000
+    T, n = 0.7, 1500
     model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]().to(device)
     prompt = torch.tensor([[1, 2]], device=device)
     joint = true_joint(model, prompt, T, 3, V_SMALL)                               # (V, V, V)

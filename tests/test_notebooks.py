@@ -1,49 +1,188 @@
-"""The notebooks in notebooks/ run top to bottom in fast mode, and import rather than redefine the code.
+"""The notebooks in notebooks/ run top to bottom in fast mode, import rather than redefine the code, and
+their committed outputs agree with each other.
 
 Each notebook runs through nbmake (the pytest plugin, pinned in requirements.txt) in its own pytest
 process, with MEDUSA_FAST=1 in that process's environment, which the notebook's kernel inherits. So the
 notebooks use the tiny model here even on a machine where `python train_heads.py` has written a real
-out/heads.pt. The same run by hand: MEDUSA_FAST=1 python -m pytest --nbmake notebooks
+out/medusa.pt. The tiny model is trained first, once; then the notebooks run two at a time (each on one
+CPU thread), which is what keeps them within the suite's time on a 2-core machine. The same run by hand:
+MEDUSA_FAST=1 python -m pytest --nbmake notebooks
+The other tests read the committed notebooks (their code and the outputs of the run that made them).
 """
+import ast
 import glob
 import json
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "[0-9]*.ipynb")))
+sys.path.insert(0, os.path.join(ROOT, "notebooks"))
 
 
-def test_the_course_has_seven_numbered_notebooks():
-    """notebooks/01_... to 07_...: the reading order in notebooks/README.md."""
-    assert [os.path.basename(p)[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+def cells(notebook, kind):
+    return [c for c in json.load(open(notebook, encoding="utf-8"))["cells"] if c["cell_type"] == kind]
+
+
+def code_of(notebook):
+    return "\n".join("".join(c["source"]) for c in cells(notebook, "code"))
+
+
+def printed(notebook):
+    """The text a committed notebook's cells printed or returned (pictures left out), cell by cell."""
+    out = []
+    for c in cells(notebook, "code"):
+        text = []
+        for o in c.get("outputs", []):
+            if o["output_type"] == "stream":
+                text.append("".join(o["text"]))
+            elif o["output_type"] in ("execute_result", "display_data") and "text/plain" in o["data"]:
+                text.append("".join(o["data"]["text/plain"]))
+        out.append("".join(text))
+    return out
+
+
+def test_the_course_has_eight_numbered_notebooks():
+    """notebooks/01_... to 08_...: the reading order in notebooks/README.md."""
+    assert [os.path.basename(p)[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+
+
+ENV = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | {"MEDUSA_FAST": "1"}  # the kernel: inline plots
+
+
+def run_notebook(notebook):
+    """nbmake on one notebook, in its own pytest process (300 s per cell at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "--nbmake", "--nbmake-timeout=300", "-p",
+         "no:cacheprovider", "-q", os.path.relpath(notebook, ROOT)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(request):
+    """The selected notebooks' runs, started together: the tiny model first (trained once, if it is not there
+    yet: two kernels must not train it at once), then two notebooks at a time."""
+    wanted = [item.callspec.params["notebook"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom_in_fast_mode"]
+    train = subprocess.run([sys.executable, "-c", "import training; training.trained_model()"], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=1800)
+    assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-4000:]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {notebook: pool.submit(run_notebook, notebook) for notebook in wanted}
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs_top_to_bottom_in_fast_mode(notebook):
-    """Every cell runs without error, offline, on the tiny model (nbmake: 300 s per cell at most)."""
-    env = dict(os.environ, MEDUSA_FAST="1")
-    env.pop("MPLBACKEND", None)  # tests/conftest.py sets Agg; the kernel should use its inline backend
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "--nbmake", "--nbmake-timeout=300", "-p", "no:cacheprovider", "-q",
-         os.path.relpath(notebook, ROOT)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+def test_notebook_runs_top_to_bottom_in_fast_mode(notebook, notebook_runs):
+    """Every cell runs without error, offline, on the tiny model."""
+    result = notebook_runs[notebook].result()
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
 
 
-FORBIDDEN = [r"class\s+\w+\s*\(.*nn\.Module", r"def\s+medusa_generate\b",
-             r"def\s+(generate|tree_decoding|evaluate_posterior|build_tree_buffers|generate_candidates)\b"]
+FORBIDDEN = [r"class\s+\w+\s*\(.*nn\.Module", r"def\s+medusa_generate\b", r"def\s+eagle_generate\b",
+             r"def\s+(generate|tree_decoding|evaluate_posterior|build_tree_buffers|generate_candidates)\b",
+             r"def\s+(prefill|verify_step|update_inputs|sample_tree_walk|speculative_generate)\b",
+             r"def\s+(chain_hits|chain_outputs|eagle_loss|mtp_losses|chi_square|true_joint|exact_sampling_ceiling)\b"]
+# The project's library modules a notebook may import (commands are refused by tests/test_imports.py).
+ALLOWED = {"course", "medusa_mini", "tree", "verify", "eagle", "mtp", "training", "common", "measure", "smollm",
+           "data"}
+PROJECT = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))} | {"course"}
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_imports_the_model_and_decoding_code(notebook):
-    """No notebook defines its own model, attention, tree buffers or decoding loop: they import medusa_mini and tree."""
-    cells = json.load(open(notebook, encoding="utf-8"))["cells"]
-    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    """No notebook defines its own model, attention, tree buffers, drafters or decoding loop: they import
+    medusa_mini, tree, verify, eagle and mtp, and only library modules of the project."""
+    code = code_of(notebook)
     assert "import medusa_mini" in code and "import tree" in code
     for pattern in FORBIDDEN:
         assert not re.search(pattern, code), f"{os.path.basename(notebook)} matches {pattern!r}"
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert names & PROJECT <= ALLOWED, f"{os.path.basename(notebook)} imports {sorted(names & PROJECT - ALLOWED)}"
+
+
+# A float the printing gave up on: nan, inf, -inf (1.2x, 3% after it), not a word or a quoted token.
+NOT_A_NUMBER = re.compile(r"(?<![A-Za-z_])[-+]?(nan|inf)(?:x|%)?(?![A-Za-z_])")
+QUOTED = re.compile(r"'[^'\s]*'|\"[^\"\s]*\"")  # tokens print quoted, spaces as ·: '·inf' is a token, not a figure
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_no_committed_output_prints_nan_or_inf(notebook):
+    """A figure a reader sees is a number: no committed output prints nan or inf where one should be."""
+    for i, text in enumerate(printed(notebook)):
+        for line in text.splitlines():
+            hit = NOT_A_NUMBER.search(QUOTED.sub("''", line))
+            assert hit is None, f"{os.path.basename(notebook)}, code cell {i}: {line.strip()[:200]!r}"
+
+
+CHOSEN = re.compile(r"^chosen tree: \d+ nodes \[.*\]$", re.MULTILINE)  # course.chosen_tree's one format
+
+
+def test_every_notebook_prints_the_same_chosen_tree():
+    """The committed outputs come from one run: each notebook that reads the chosen tree prints it once, in
+    course.chosen_tree's format, and every one of them prints the same tree."""
+    lines = {}
+    for notebook in NOTEBOOKS:
+        found = [m.group(0) for text in printed(notebook) for m in CHOSEN.finditer(text)]
+        if "course.chosen_tree(" in code_of(notebook):
+            assert len(found) == 1, f"{os.path.basename(notebook)} prints its chosen tree {len(found)} times"
+            lines[os.path.basename(notebook)] = found[0]
+        else:
+            assert not found, f"{os.path.basename(notebook)} prints a chosen tree without course.chosen_tree"
+    assert len(lines) >= 2
+    assert len(set(lines.values())) == 1, "notebooks from different runs: " + "; ".join(
+        f"{name}: {line[:80]}" for name, line in lines.items())
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_notebook_ends_with_exercises_that_assert(notebook):
+    """Two or three predict-then-run exercises: a prediction that starts as None, and a check that asserts it
+    against the answer once it is filled in (course.predicted), never printing the answer."""
+    code = code_of(notebook)
+    predictions = set(re.findall(r"^(prediction_\d+) = None$", code, re.MULTILINE))
+    assert 2 <= len(predictions) <= 3, f"{os.path.basename(notebook)}: {sorted(predictions)}"
+    for name in predictions:
+        assert f"course.predicted({name})" in code and re.search(rf"assert[^\n]*\b{name}\b", code), name
+    assert not re.search(r"print\([^\n]*\banswer_\d+\b", code), "an exercise prints its answer"
+
+
+def test_course_needs_counts_a_missing_assignment_as_written(monkeypatch, capsys):
+    """course.needs(N): True where assignment N is written or not listed (a copy lists only its own and later
+    ones; assignment 6 may not exist yet); otherwise False, with one line naming its functions."""
+    import course
+    mapping = {"assignment": {"3": {"stubs": {"verify.py:evaluate_posterior": "", "verify.py:sample_tree_walk": ""}}}}
+    monkeypatch.setattr(course.grading, "load_mapping", lambda: mapping)
+    monkeypatch.setattr(course.grading, "stubbed_here", lambda assignment: True)
+    assert course.needs(6) and course.needs(1, 2)
+    assert capsys.readouterr().out == ""
+    assert not course.needs(2, 3)
+    assert capsys.readouterr().out == ("this cell needs assignment 3 (evaluate_posterior, sample_tree_walk), "
+                                       "not done in this copy\n")
+    monkeypatch.setattr(course.grading, "stubbed_here", lambda assignment: False)
+    assert course.needs(3)
+
+
+def test_the_readme_says_which_assignments_each_notebook_needs():
+    """notebooks/README.md's table counts, per notebook and assignment, the code cells guarded by
+    course.needs(..., N, ...): the table and the notebooks agree."""
+    readme = open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (0\d) \|(.*)\|$", readme, re.MULTILINE)
+    assert [number for number, _ in rows] == [os.path.basename(p)[:2] for p in NOTEBOOKS]
+    for notebook, (_, row) in zip(NOTEBOOKS, rows):
+        said = [int(m.group(0)) if (m := re.match(r"\s*\d+", cell)) else 0 for cell in row.split("|")]
+        counted = [0] * len(said)
+        for c in cells(notebook, "code"):
+            needed = {int(n) for args in re.findall(r"course\.needs\(([^)]*)\)", "".join(c["source"]))
+                      for n in args.split(",")}
+            for n in needed:
+                counted[n - 1] += 1
+        assert said == counted, f"{os.path.basename(notebook)}: README says {said}, the notebook {counted}"

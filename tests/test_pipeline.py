@@ -1,6 +1,7 @@
 """train_heads.py end to end on the tiny preset, its checkpoints, and sample.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,7 @@ def test_tiny_preset_compares_the_drafters(tiny_run):
     for key in ("tokens_per_step", "speedup", "greedy_identical"):
         assert isinstance(report[key], float)
     assert report["drafter"] == "medusa" and set(report["drafters"]) == {"medusa", "eagle", "mtp"}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", report["date"]) and report["command"].startswith("python ")
     modes = report["modes"]
     assert len(modes) == measure.REPORT_PLAIN_MODES + measure.modes_per_drafter(2) + 2 * measure.modes_per_drafter(1)
     for drafter in ("medusa", "eagle", "mtp"):
@@ -121,13 +123,13 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
 
 @pytest.mark.parametrize("content, message", [(b"", "empty"), (b"   \n", "empty"), (b"caf\xe9 \xff", "not UTF-8")])
 def test_bad_data_files_give_a_clear_error(tmp_path, content, message):
-    """`--data` with an empty or non-UTF-8 file: one line saying what is wrong, no traceback."""
+    """`--data` with an empty or non-UTF-8 file: a ValueError saying what is wrong, before any training, which
+    the command prints as one line (tests/test_commands.py::test_a_users_mistake_is_one_line_and_a_nonzero_exit)."""
     path = tmp_path / "text.txt"
     path.write_bytes(content)
-    result = subprocess.run([sys.executable, "train_heads.py", "--preset", "tiny", "--data", str(path),
-                             "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode != 0
-    assert message in result.stderr and "Traceback" not in result.stderr
+    with pytest.raises(ValueError, match=message):
+        train_heads.main(["--preset", "tiny", "--data", str(path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "base.pt").exists()
 
 
 def test_head_accuracies_read_the_right_offsets(periodic_model):
