@@ -128,6 +128,16 @@ def notebooks_teaching() -> dict[str, list[str]]:
 
 
 TEACHING = notebooks_teaching()
+# The notebooks that show no assignment's code: they run in the copy for the first assignment, where the
+# most is stubbed.
+UNTAUGHT = sorted({os.path.basename(p) for p in (ROOT / "notebooks").glob("[0-9]*.ipynb")}
+                  - {name for names in TEACHING.values() for name in names})
+
+
+def shown_in_copy(n) -> list[str]:
+    """The notebooks run in the copy for assignment n: those that show n's code, and in the first copy the
+    notebooks that show none."""
+    return sorted(TEACHING.get(n, []) + (UNTAUGHT if n == ASSIGNMENTS[0] else []))
 
 
 def run(cwd, *args):
@@ -168,7 +178,7 @@ def kit(tmp_path_factory):
         # The notebooks that show assignment n's code, top to bottom, on the model the copy came with.
         jobs[f"notebooks-{n}"] = (copy / "notebooks", ["-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                                                        "--output-dir", str(base / f"executed-{n}"),
-                                                       *TEACHING.get(n, [])])
+                                                       *shown_in_copy(n)])
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
             shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
@@ -395,8 +405,13 @@ def test_every_copy_runs_what_it_can_and_names_what_it_waits_for(kit):
     """In the copy for each assignment N, handed out in sequence: `python train_heads.py --drafters
     medusa,eagle` stops with one line naming assignment N, before training anything; and the notebooks
     that show N's code (notebooks/README.md) run top to bottom on the model the copy came with
-    (out/tiny/), their cells that need N saying so. (tests/test_notebooks.py checks every notebook's
-    guards against the README's table, and runs every notebook where nothing is stubbed.)"""
+    (out/tiny/), their cells that need N saying so; the notebooks that show no assignment's code run in
+    the first copy. (tests/test_notebooks.py checks every notebook's guards against the README's table,
+    and runs every notebook where nothing is stubbed.)
+
+    So every notebook up to N runs in the copy for N: a notebook that runs in the copy for M runs in
+    every later copy, which stubs a subset of what M's stubs (a cell runs only when every assignment it
+    needs is done, and then runs as in the whole project)."""
     for n in ASSIGNMENTS:
         proc, out = kit[f"pipeline-{n}"]
         lines = proc.stderr.strip().splitlines()
@@ -407,8 +422,8 @@ def test_every_copy_runs_what_it_can_and_names_what_it_waits_for(kit):
         proc, out = kit[f"notebooks-{n}"]
         assert proc.returncode == 0, out[-3000:]
         executed = sorted(p.name for p in (kit["base"] / f"executed-{n}").glob("*.ipynb"))
-        assert executed == sorted(TEACHING[n]), executed
-        for name in executed:
+        assert executed == shown_in_copy(n), executed
+        for name in TEACHING[n]:
             printed = "".join(outputs(kit["base"] / f"executed-{n}" / name))
             assert f"this cell needs assignment {n} (" in printed, f"in the copy for {n}, no cell of {name} waited for it"
 

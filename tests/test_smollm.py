@@ -170,6 +170,23 @@ def test_greedy_medusa_equals_plain_greedy(smol):
     assert len(stats.token_depths) == 20
 
 
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_greedy_eagle_equals_plain_greedy(smol, tree):
+    """eagle_generate, unchanged, on this model with an EAGLE layer of its own kind (a Llama block, RoPE):
+    identical greedy tokens, on a static tree and on EAGLE-2's dynamic tree. The layer is untrained
+    (its drafts are mostly wrong); the SmolLM2 report checks a trained one on every held-out prompt."""
+    from eagle import DynamicTree, EagleModel, eagle_generate
+    model, enc, _ = smol
+    torch.manual_seed(0)
+    eagle = EagleModel(model).eval()
+    idx = torch.tensor([smollm.chat_tokens(enc, "Name three colours.")])
+    plain = generate(model, idx, 16)
+    shape = dense_tree([2, 2, 1]) if tree == "static" else DynamicTree(topk=2, nodes=5, depth=3)
+    fast, stats = eagle_generate(eagle, idx, 16, shape)
+    assert torch.equal(fast, plain)
+    assert len(stats.token_depths) == 16
+
+
 def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
     """distill() keeps the hidden states generate() computed: h[i, t] is the state at position t of
     prompt + answer, equal to a fresh forward over it, and y[i, t] the greedy token at t+1, cut after
