@@ -239,9 +239,10 @@ def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
                          f"{str(e).splitlines()[0]})") from None
     model = draft_cheaply(model.to(device).eval(), device)
     ref = ckpt.get("tokenizer") or {}
-    if ref.get("kind") == "bpe" and not os.path.exists(ref["path"]):  # a run folder copied elsewhere (a student
-        moved = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ref["path"]))  # copy): its
-        if os.path.exists(moved):                                                                   # own file
+    if ref.get("kind") == "bpe" and not os.path.exists(ref["path"]):
+        # A run folder copied elsewhere (a student's copy): its tokenizer is the file beside the checkpoint.
+        moved = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(ref["path"]))
+        if os.path.exists(moved):
             ref["path"] = moved
     if ckpt.get("draft_vocab") is not None:  # the tokens the drafter was trained on (SmolLM2)
         model.draft_vocab = ckpt["draft_vocab"].to(device)
@@ -265,8 +266,6 @@ def file_digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-# Every flag of train_heads.py that is not a preset size, with its default: a finished run re-opened
-# by another command (benchmark.py, the notebooks) gets the same settings.
 class ArgumentParser(argparse.ArgumentParser):
     """The commands' argparse: a mistake on the command line (an unknown flag, a bad value) raises
     ValueError, which each command prints as one line, `error: ...`; argparse would print its usage first."""
@@ -275,6 +274,8 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+# Every flag of train_heads.py that is not a preset size, with its default: a finished run re-opened
+# by another command (benchmark.py, the notebooks) gets the same settings.
 RUN_DEFAULTS = dict(base="gpt", data=None, tokenizer="bpe", val_plays=3, distill=True, joint=False,
                     share_lm_head=False, resume=False, threads=None, seed=0, drafters=["medusa"], mtp=0,
                     mtp_lambda=None, eagle_loss="eagle1")

@@ -201,7 +201,11 @@ def train_heads(model: MedusaModel, h, y, steps=400, lr=3e-3, batch=8, seed=0, s
     return history, vocab
 
 
-def train_eagle(model: EagleModel, h, y, vocab, steps=1600, lr=1e-3, batch=8, seed=0, save=None, resume_from=None):
+EAGLE_DEPTH = 6  # how deep EAGLE's trees may grow, and its accuracies are read
+EAGLE_STEPS, EAGLE_LR = 1600, 1e-3  # at the heads' 3e-3 the Llama draft layer stalls (docs/results.md)
+
+
+def train_eagle(model: EagleModel, h, y, vocab, steps=EAGLE_STEPS, lr=EAGLE_LR, batch=8, seed=0, save=None, resume_from=None):
     """EAGLE-1 on stored hidden states (eagle.eagle_loss): entry t is fed the feature at t and the token
     after it (y[:, t]), and predicts the feature at t + 1; both next-token distributions over the V'
     tokens the texts use (`vocab`). Entries count where the feature at t + 1 exists. h and y stay on
@@ -314,7 +318,7 @@ def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, dra
         lr=None, eagle_steps=None, eagle_lr=None, report_prompts=None, report_tokens=None):
     """Every stage, on `device`; writes OUT/medusa.pt and OUT/eagle.pt (the drafters only: the base comes
     from the wheel), the distillation cache and report.json. None: the defaults (heads 400 steps at lr
-    3e-3; EAGLE EAGLE_STEPS at EAGLE_LR; 6 report prompts of up to 64 tokens). resume: continue drafter
+    3e-3; EAGLE: EAGLE_STEPS steps at EAGLE_LR; 6 report prompts of up to 64 tokens). resume: continue drafter
     training interrupted by Ctrl-C."""
     report_prompts, report_tokens = report_prompts or 6, report_tokens or 64
     device = torch.device(device)
@@ -411,8 +415,6 @@ def run(out="out/smollm2", device="cpu", threads=None, seed=0, resume=False, dra
     return report
 
 
-EAGLE_DEPTH = 6  # how deep EAGLE's trees may grow, and its accuracies are read
-EAGLE_STEPS, EAGLE_LR = 1600, 1e-3  # the Llama draft layer diverges or stalls at the heads' 3e-3 (docs/results.md)
 
 
 def train_drafter(name, base, h, y, val_h, val_y, val_start, vocab, out, seed, resume, steps, lr):
