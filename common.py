@@ -23,23 +23,24 @@ from mtp import MTPModel
 # every stage must fit in it (train_heads.generation_lengths, tested).
 # cpu: sized for a whole run in under 15 minutes on 2 cores (the runs: docs/results.md).
 # gpu: about 8 passes over the 1.6M training tokens, with weight decay; minutes on a laptop GPU.
-# tiny: under a minute, for tests and notebooks in CI.
+# tiny: under a minute, for tests and notebooks in CI; its timings only show that the stages run, so
+# each is measured once (timing_rounds; None: measure.py's rounds, whose medians the other presets quote).
 PRESETS = {
     "tiny": dict(vocab_size=320, seq_len=128, n_layer=2, n_head=2, n_embd=64, num_heads=3,
                  batch_size=8, base_steps=150, base_lr=3e-3, weight_decay=0.0, distill_prompts=64,
                  distill_len=48, distill_sampled=0.5, head_steps=150, head_lr=3e-3, joint_steps=30,
                  eagle_steps=150, eagle_lr=3e-3, eagle_depth=4,
-                 eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6),
+                 eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6, timing_rounds=1),
     "cpu": dict(vocab_size=2048, seq_len=128, n_layer=4, n_head=4, n_embd=256, num_heads=5,
                 batch_size=32, base_steps=1000, base_lr=2e-3, weight_decay=0.0, distill_prompts=768,
                 distill_len=112, distill_sampled=0.5, head_steps=250, head_lr=2e-3, joint_steps=120,
                 eagle_steps=300, eagle_lr=2e-3, eagle_depth=6,
-                eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10),
+                eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10, timing_rounds=None),
     "gpu": dict(vocab_size=2048, seq_len=256, n_layer=6, n_head=6, n_embd=384, num_heads=5,
                 batch_size=64, base_steps=800, base_lr=1.5e-3, weight_decay=0.1, distill_prompts=4096,
                 distill_len=192, distill_sampled=0.5, head_steps=600, head_lr=2e-3, joint_steps=400,
                 eagle_steps=800, eagle_lr=2e-3, eagle_depth=6,
-                eval_prompts=128, report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10),
+                eval_prompts=128, report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10, timing_rounds=None),
 }
 
 

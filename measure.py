@@ -247,7 +247,7 @@ def modes_per_drafter(extra_trees: int) -> int:
 
 
 def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
-               repeats=REPORT_REPEATS):
+               repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS):
     """The report's measurements, every drafter interleaved with plain decoding on the same prompts, best
     against best: the mode table, per-drafter summaries, ops per step, the tree-size sweep of the first
     drafter. prompts: 1-D token tensors; decode_kwargs (e.g. stop_tokens) go to every mode; peers:
@@ -294,7 +294,7 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
         sizes = sorted({n for n in SWEEP_SIZES if n <= len(first.order)} | {len(first.tree)})  # rounds, at the
         sweep_modes = {"plain greedy": (generate, {})}                                       # chosen tree's threads
         sweep_modes.update({n: (first.decode, dict(model=first.model, tree=first.order[:n])) for n in sizes})
-        sweep_runs = compare(first.model, prompts[:SWEEP_PROMPTS], n_new, sweep_modes, repeats=SWEEP_REPEATS,
+        sweep_runs = compare(first.model, prompts[:SWEEP_PROMPTS], n_new, sweep_modes, repeats=sweep_repeats,
                              threads=[best_threads])
         report["tree_size_sweep"] = []
         for n in sizes:

@@ -562,11 +562,12 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
     rate = (6 * N + 3 * attention) * B * T / train_step  # FLOP/s
     distill_tokens = args.distill_prompts * (DISTILL_PROMPT + args.distill_len)
     # Tree costs and the report: batch-1 decoding, every drafter, every thread count.
-    step_costs = measure.STEP_COST_REPEATS * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
+    rounds = args.timing_rounds
+    step_costs = (rounds or measure.STEP_COST_REPEATS) * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
     extra_trees = {"medusa": 2, "eagle": 1, "mtp": 1}  # training.choose_trees: medusa grown and dense; dynamic
     modes = measure.REPORT_PLAIN_MODES + sum(measure.modes_per_drafter(extra_trees[d]) for d in args.drafters)
-    report = args.report_tokens * (args.report_prompts * modes * measure.REPORT_REPEATS
-                                   + measure.SWEEP_PROMPTS * (len(measure.SWEEP_SIZES) + 2) * measure.SWEEP_REPEATS)
+    report = args.report_tokens * (args.report_prompts * modes * (rounds or measure.REPORT_REPEATS)
+                                   + measure.SWEEP_PROMPTS * (len(measure.SWEEP_SIZES) + 2) * (rounds or measure.SWEEP_REPEATS))
     report_tokens = len(measure.thread_counts(args.device, args.threads)) * (
         step_costs * len(args.drafters) + report)
     return {
@@ -640,7 +641,8 @@ def choose_trees(name, model, decode, args, eval_prompts, val_ids, device):
             return chain_accuracies(model, seq, EVAL_PROMPT - 1, args.eagle_depth, args.rank_depth)
     greedy = accuracies(0.0)
     order = grow_tree(greedy, args.max_tree)  # grow_tree adds nodes in order: every prefix is a tree
-    costs = measure.measure_step_costs(model, order, val_ids, device, args.threads, decode=decode)
+    costs = measure.measure_step_costs(model, order, val_ids, device, args.threads, decode=decode,
+                                       repeats=args.timing_rounds or measure.STEP_COST_REPEATS)
     chosen, threads = measure.choose_tree(order, greedy, costs)
     print(f"{name} tree: {len(chosen)} nodes chosen for {device}, {threads} thread{'s' * (threads != 1)} (expected "
           f"{expected_tokens_per_step(chosen, greedy):.2f} tokens/step at "
@@ -708,7 +710,9 @@ def run(args):
         drafted.append(d)
 
     prompts = random_prompts(val_ids, args.report_prompts, measure.REPORT_PROMPT, args.seed + 5, args.device)
-    report = measure.run_report(drafted, prompts, args.report_tokens, measure.thread_counts(args.device, args.threads))
+    report = measure.run_report(drafted, prompts, args.report_tokens, measure.thread_counts(args.device, args.threads),
+                                repeats=args.timing_rounds or measure.REPORT_REPEATS,
+                                sweep_repeats=args.timing_rounds or measure.SWEEP_REPEATS)
     report.update(preset=args.preset, device=str(args.device), training=training, total_seconds=time.time() - t0,
                   sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(report["sample"]))
     measure.write_report(report, args.out)

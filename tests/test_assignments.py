@@ -2,13 +2,14 @@
 
 With only assignment N stubbed, the student version imports cleanly and fails exactly the tests
 listed for N (correctness and efficiency), each with N's own NotImplementedError; every other test
-in the graded test files passes. Putting the original bodies back into each such version gives the
+in the graded test files passes, because it never enters N's functions (traced once, in a copy with
+nothing stubbed). Putting the original bodies back into each such version gives the
 project byte for byte; graded as an instructor grades a submission (the full assignments.toml
 copied in), such a copy passes every assignment, and measures the reference's own ops per step.
 Handed out in sequence, the copy for N holds no reference body of N or of any later assignment, and
 grades N on exactly the tests that do not need a later one. A correct but slower implementation is
-correct (exit status 0) and reported over the bound. The copies are made once and run two at a
-time: the slowest file of the suite, about 3 CPU-minutes."""
+correct (exit status 0) and reported over the bound. The copies are made once and run one at a
+time: the slowest file of the suite."""
 import ast
 import json
 import os
@@ -17,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,19 +48,122 @@ def graded(n) -> list[str]:
 
 
 GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)})
+STUBS = {key: n for n in ASSIGNMENTS for key in MAPPING["assignment"][n]["stubs"]}  # "file:function": assignment
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
 ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: 2 s less a run
            MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000",  # train_heads.py's allocator settings
            MALLOC_TOP_PAD_="1000000000")                                  # set: it starts once, not twice
 
-# Run in a student version: import every module, then every test of the graded files (not only the
-# assignment's own), results to suite.json.
+# Run in a student version: import every module, then the given tests, results to suite.json.
 RUN_SUITE = """
 import importlib, json, pathlib, sys
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
 import grading
 json.dump(grading.run_tests(sys.argv[1:]), open('suite.json', 'w'), indent=1)
+"""
+
+# Run in a restored copy (nothing stubbed), graded as an instructor grades a submission: grade.py's main
+# (result.json, its output on stdout, its exit status), then the graded files' tests no assignment lists,
+# noting which of the functions that assignments stub (argv[1], "file:Class.method") each test enters: in
+# its own setup, call and teardown, in the setup of every fixture it uses (a fixture built for an earlier
+# test is still its own), and in the training behind every memoised model it receives. The project's
+# functools caches are emptied before each test, so a test builds its own tree buffers. To traced.json:
+# {"cases": {nodeid: outcome}, "entered": {nodeid: [stub keys]}, "outside": [keys entered outside a test]}.
+# A test that enters none of assignment N's functions runs in N's stubbed copy exactly as here.
+TRACE_SUITE = r"""
+import importlib, inspect, json, pathlib, sys, threading
+sys.path.insert(0, 'tests')
+import memo, pytest, grade, grading
+for module in sorted(pathlib.Path('.').glob('*.py')):
+    importlib.import_module(module.stem)
+codes = {}
+for key in json.loads(sys.argv[1]):
+    file, _, name = key.partition(':')
+    owner, *path, last = [importlib.import_module(file[:-3]), *name.split('.')]
+    for part in path:
+        owner = getattr(owner, part)
+    codes[inspect.unwrap(inspect.getattr_static(owner, last)).__code__] = key
+entered, building = set(), []  # since the current test (or fixture) began; memoised trainings under way
+
+
+def trace(frame, event, arg):
+    key = codes.get(frame.f_code)
+    if key is not None:
+        entered.add(key)
+        for keys in building:
+            keys.add(key)
+
+
+def note(keys):
+    entered.update(keys)
+    for outer in building:
+        outer.update(keys)
+
+
+class Remembering(dict):  # memo's store of trained models, keeping what each training entered
+    entered_by = {}
+
+    def __contains__(self, key):
+        if dict.__contains__(self, key):
+            note(self.entered_by[key])
+            return True
+        building.append(set())
+        return False
+
+    def __setitem__(self, key, model):
+        self.entered_by[key] = building.pop()
+        dict.__setitem__(self, key, model)
+
+
+memo._MODELS = Remembering()
+
+
+class Attribute:
+    def __init__(self):
+        self.fixtures, self.tests, self.outside, self.outcomes = {}, {}, set(), {}
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items[:] = [item for item in items if item.nodeid not in self.tests]  # graded already
+
+    def pytest_runtest_logreport(self, report):
+        if self.outcomes.get(report.nodeid, 'passed') == 'passed':
+            self.outcomes[report.nodeid] = report.outcome
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        outer = set(entered)
+        entered.clear()
+        yield
+        self.fixtures[id(fixturedef), getattr(request, 'param_index', 0)] = set(entered)
+        entered.update(outer)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.outside |= entered
+        entered.clear()
+        grading._clear_caches()
+        yield
+        keys = set(entered)
+        indices = getattr(getattr(item, 'callspec', None), 'indices', {})
+        for name in item.fixturenames:
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                keys |= self.fixtures.get((id(fixturedef), indices.get(name, 0)), set())
+        self.tests[item.nodeid] = sorted(keys)
+        entered.clear()
+
+
+attribute, run = Attribute(), pytest.main
+pytest.main = lambda args, plugins: run(args, plugins=[*plugins, attribute])
+sys.settrace(trace)
+threading.settrace(trace)
+status = grade.main(['--json', 'result.json'])
+grading.run_tests(sys.argv[2:])
+sys.settrace(None)
+json.dump(dict(cases=attribute.outcomes, entered=attribute.tests, outside=sorted(attribute.outside | entered)),
+          open('traced.json', 'w'), indent=1)
+sys.exit(status)
 """
 
 SECRET_TEST = '''"""An instructor's private test for assignment 2."""
@@ -149,20 +252,22 @@ def run(cwd, *args):
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    """Every student version, stubbed and restored, and a project with private tests; the runs, two at a time."""
+    """Every student version, stubbed and restored, and a project with private tests; the runs, one at a
+    time (the other pytest worker keeps the second core busy: a third process slows them all)."""
     base = tmp_path_factory.mktemp("kit")
     project_bytes = {f: (ROOT / f).read_bytes() for f in ma.project_files(ROOT)}  # before any copy
     jobs = {}  # name: (directory, python arguments), longest first
     for n in ASSIGNMENTS:
         ma.make_assignment(n, base / f"restored-{n}", in_sequence=False)
         restore_bodies(base / f"restored-{n}", n)
-    # Graded as an instructor grades a submission: their mapping and private tests copied over it.
+    # Graded as an instructor grades a submission (their mapping and private tests copied over it), and
+    # every other test of the graded files, traced; in the copy for N, N's tests.
     restored = base / f"restored-{ASSIGNMENTS[0]}"
     shutil.copy2(ROOT / ma.MAPPING, restored / ma.MAPPING)
-    jobs["restored"] = (restored, ["grade.py", "--json", "result.json"])
+    jobs["restored"] = (restored, ["-c", TRACE_SUITE, json.dumps(list(STUBS)), *GRADED_FILES])
     for n in ASSIGNMENTS:
         ma.make_assignment(n, base / f"stubbed-{n}", in_sequence=False)
-        jobs[f"stubbed-{n}"] = (base / f"stubbed-{n}", ["-c", RUN_SUITE, *GRADED_FILES])
+        jobs[f"stubbed-{n}"] = (base / f"stubbed-{n}", ["-c", RUN_SUITE, *graded(n)])
     # Handed out in sequence: assignment 3 as the student gets it, and once they have done it.
     for name in ("in-sequence-3", "done-in-sequence-3"):
         ma.make_assignment("3", base / name)
@@ -188,9 +293,7 @@ def kit(tmp_path_factory):
         ma.make_assignment("2", base / name, root=project, in_sequence=False, models=False)
         jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
     shutil.copytree(project / "tests/private", base / "private-present/tests/private")  # as when grading
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run, cwd, *args) for name, (cwd, args) in jobs.items()}
-        return dict(base=base, project_bytes=project_bytes, **{name: f.result() for name, f in futures.items()})
+    return dict(base=base, project_bytes=project_bytes, **{name: run(cwd, *args) for name, (cwd, args) in jobs.items()})
 
 
 def test_mapping_names_real_functions_once():
@@ -214,21 +317,38 @@ def test_mapping_names_real_functions_once():
     assert every_efficiency, "no efficiency tests: tests/test_step_cost.py's bounds are efficiency"
 
 
+def test_every_graded_test_passes_and_enters_the_functions_of_exactly_the_assignments_listing_it(kit):
+    """In a copy with nothing stubbed, every test of the graded files passes; a test listed under
+    assignment N enters one of N's functions, and a test N does not list enters none of them, so it
+    runs in N's stubbed copy exactly as here (the stubs change nothing else). Nothing enters them
+    while the test files are collected."""
+    proc, out = kit["restored"]
+    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())
+    assert not traced["outside"], f"entered outside any test: {traced['outside']}"
+    assert len(traced["cases"]) > 100 and traced["entered"].keys() == traced["cases"].keys()
+    for nodeid, case in traced["cases"].items():
+        assert case == "passed", f"{nodeid}: {case}"
+        entered = {STUBS[key] for key in traced["entered"][nodeid]}
+        listed = {n for n in ASSIGNMENTS if any(grading.matches(nodeid, spec) for spec in graded(n))}
+        for n in sorted(listed - entered):
+            raise AssertionError(f"assignment {n} lists {nodeid}, which enters none of its functions")
+        for n in sorted(entered - listed):
+            raise AssertionError(f"{nodeid} enters {[k for k in traced['entered'][nodeid] if STUBS[k] == n]} "
+                                 f"(assignment {n}), which does not list it: it fails in that copy")
+
+
 @pytest.mark.parametrize("n", ASSIGNMENTS)
 def test_student_version_fails_exactly_its_graded_tests(kit, n):
-    """The copy imports; its graded tests fail with its own NotImplementedError; every other test passes."""
+    """The copy imports, and each of its graded tests fails with its own NotImplementedError. (Every
+    other test passes there: the test above.)"""
     copy, a = kit["base"] / f"stubbed-{n}", MAPPING["assignment"][n]
     proc, out = kit[f"stubbed-{n}"]
     assert proc.returncode == 0, out  # every module imported and the tests ran
     cases = json.loads((copy / "suite.json").read_text())
-    for spec in graded(n):
-        assert any(grading.matches(nodeid, spec) for nodeid in cases), f"no test {spec}"
+    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())["cases"]
+    assert cases.keys() == {nodeid for nodeid in traced if any(grading.matches(nodeid, s) for s in graded(n))}
     for nodeid, case in cases.items():
-        assert not case["message"].startswith("not run:"), f"{nodeid}: {case['message']}"
-        if any(grading.matches(nodeid, spec) for spec in graded(n)):
-            assert f"NotImplementedError: Assignment {n}:" in case["message"], f"{nodeid}: {case}"
-        else:
-            assert case["outcome"] == "passed", f"{nodeid} fails but assignment {n} does not list it: {case}"
+        assert f"NotImplementedError: Assignment {n}:" in case["message"], f"{nodeid}: {case}"
 
     for file, stubs in ma.stubs_by_file(a).items():  # each body is one raise with its hint
         source = ma.read_source(copy / file)
@@ -257,8 +377,9 @@ def test_original_bodies_give_back_the_project(kit, n):
 
 
 def test_restored_student_version_passes_every_assignment(kit):
-    """grade.py in a restored copy: every test of every assignment passes, exit status 0; each
-    assignment is correct, and its efficiency line gives the reference's own figures, within bounds."""
+    """grade.py's main in a restored copy (under the trace above): every test of every assignment passes,
+    exit status 0; each assignment is correct, and its efficiency line gives the reference's own figures,
+    within bounds."""
     proc, out = kit["restored"]
     assert proc.returncode == 0, out
     result = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "result.json").read_text())

@@ -4,8 +4,8 @@ their committed outputs agree with each other.
 Each notebook runs through nbmake (the pytest plugin, pinned in requirements.txt) in its own pytest
 process, with MEDUSA_FAST=1 in that process's environment, which the notebook's kernel inherits. So the
 notebooks use the tiny model here even on a machine where `python train_heads.py` has written a real
-out/medusa.pt. The tiny model is trained first, once; then the notebooks run two at a time (each on one
-CPU thread), which is what keeps them within the suite's time on a 2-core machine. The same run by hand:
+out/medusa.pt. The tiny model is trained first, once; then the notebooks run one at a time (each on one
+CPU thread) in the background, while the other pytest worker keeps the second core busy. The same run by hand:
 MEDUSA_FAST=1 python -m pytest --nbmake notebooks
 The other tests read the committed notebooks (their code and the outputs of the run that made them).
 """
@@ -66,13 +66,14 @@ def run_notebook(notebook):
 @pytest.fixture(scope="module")
 def notebook_runs(request):
     """The selected notebooks' runs, started together: the tiny model first (trained once, if it is not there
-    yet: two kernels must not train it at once), then two notebooks at a time."""
+    yet: two kernels must not train it at once), then one notebook at a time (a third busy process on two
+    cores slows every one)."""
     wanted = [item.callspec.params["notebook"] for item in request.session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom_in_fast_mode"]
     train = subprocess.run([sys.executable, "-c", "import training; training.trained_model()"], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-4000:]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:
         yield {notebook: pool.submit(run_notebook, notebook) for notebook in wanted}
 
 
