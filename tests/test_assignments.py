@@ -2,8 +2,8 @@
 
 With only assignment N stubbed, the student version imports cleanly and fails exactly the tests
 listed for N (correctness and efficiency), each with N's own NotImplementedError; every other test
-in the graded test files passes, because it never enters N's functions (traced once, in a copy with
-nothing stubbed). Putting the original bodies back into each such version gives the
+in the graded test files passes, because it never enters N's functions (one traced run, in a copy
+with nothing stubbed, which then runs N's tests with N's stubs planted). Putting the original bodies back into each such version gives the
 project byte for byte; graded as an instructor grades a submission (the full assignments.toml
 copied in), such a copy passes every assignment, and measures the reference's own ops per step.
 Handed out in sequence, the copy for N holds no reference body of N or of any later assignment, and
@@ -54,31 +54,34 @@ ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests u
            MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000",  # train_heads.py's allocator settings
            MALLOC_TOP_PAD_="1000000000")                                  # set: it starts once, not twice
 
-# Run in a student version: import every module, then the given tests, results to suite.json.
-RUN_SUITE = """
-import importlib, json, pathlib, sys
+# Run in the copy handed out for the first assignment, where every assignment is stubbed: every module imports.
+IMPORT_ALL = """
+import importlib, pathlib
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
-import grading
-json.dump(grading.run_tests(sys.argv[1:]), open('suite.json', 'w'), indent=1)
 """
 
 # Run in a restored copy (nothing stubbed), graded as an instructor grades a submission: grade.py's main
 # (result.json, its output on stdout, its exit status), then the graded files' tests no assignment lists,
-# noting which of the functions that assignments stub (argv[1], "file:Class.method") each test enters: in
-# its own setup, call and teardown, in the setup of every fixture it uses (a fixture built for an earlier
-# test is still its own), and in the training behind every memoised model it receives. The project's
-# functools caches are emptied before each test, so a test builds its own tree buffers. To traced.json:
-# {"cases": {nodeid: outcome}, "entered": {nodeid: [stub keys]}, "outside": [keys entered outside a test]}.
-# A test that enters none of assignment N's functions runs in N's stubbed copy exactly as here.
+# noting which of the functions that assignments stub ("file:Class.method") each test enters: in its own
+# setup, call and teardown, in the setup of every fixture it uses (a fixture built for an earlier test is
+# still its own), and in the training behind every memoised model it receives. The project's functools
+# caches are emptied before each test, so a test builds its own tree buffers. A test that enters none of
+# assignment N's functions runs in N's stubbed copy exactly as here. Then, per assignment N, its graded
+# tests with N's functions stubbed as in N's copy (each body the copy's one raise, planted as grade.py
+# --mutants plants a fault), memoised models whose training entered N's functions trained again.
+# argv[1]: plan.json, {"stubs": {key: N}, "bodies": {N: {key: its raise}}, "graded": {N: [tests]}}.
+# To traced.json: {"cases": {nodeid: outcome}, "entered": {nodeid: [stub keys]}, "outside": [keys
+# entered outside a test], "stubbed": {N: run_tests' results}}.
 TRACE_SUITE = r"""
-import importlib, inspect, json, pathlib, sys, threading
+import contextlib, importlib, inspect, json, pathlib, sys, threading
 sys.path.insert(0, 'tests')
 import memo, pytest, grade, grading
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
+plan = json.load(open(sys.argv[1]))
 codes = {}
-for key in json.loads(sys.argv[1]):
+for key in plan['stubs']:
     file, _, name = key.partition(':')
     owner, *path, last = [importlib.import_module(file[:-3]), *name.split('.')]
     for part in path:
@@ -161,7 +164,20 @@ threading.settrace(trace)
 status = grade.main(['--json', 'result.json'])
 grading.run_tests(sys.argv[2:])
 sys.settrace(None)
-json.dump(dict(cases=attribute.outcomes, entered=attribute.tests, outside=sorted(attribute.outside | entered)),
+threading.settrace(None)
+outside = sorted(attribute.outside | entered)
+pytest.main = run
+stubbed = {}
+for n, bodies in plan['bodies'].items():
+    for key, keys in list(memo._MODELS.entered_by.items()):
+        if any(plan['stubs'][k] == n for k in keys):
+            dict.pop(memo._MODELS, key)
+            del memo._MODELS.entered_by[key]
+    with contextlib.ExitStack() as stack:
+        for key, body in bodies.items():
+            stack.enter_context(grading.planted(dict(name=f'the stub of {key}', function=key, body=body)))
+        stubbed[n] = grading.run_tests(plan['graded'][n])
+json.dump(dict(cases=attribute.outcomes, entered=attribute.tests, outside=outside, stubbed=stubbed),
           open('traced.json', 'w'), indent=1)
 sys.exit(status)
 """
@@ -264,10 +280,13 @@ def kit(tmp_path_factory):
     # every other test of the graded files, traced; in the copy for N, N's tests.
     restored = base / f"restored-{ASSIGNMENTS[0]}"
     shutil.copy2(ROOT / ma.MAPPING, restored / ma.MAPPING)
-    jobs["restored"] = (restored, ["-c", TRACE_SUITE, json.dumps(list(STUBS)), *GRADED_FILES])
+    plan = dict(stubs=STUBS, graded={n: graded(n) for n in ASSIGNMENTS},
+                bodies={n: {key: ma.stub_line("", n, hint) for key, hint in MAPPING["assignment"][n]["stubs"].items()}
+                        for n in ASSIGNMENTS})
+    (restored / "plan.json").write_text(json.dumps(plan))
+    jobs["restored"] = (restored, ["-c", TRACE_SUITE, "plan.json", *GRADED_FILES])
     for n in ASSIGNMENTS:
         ma.make_assignment(n, base / f"stubbed-{n}", in_sequence=False)
-        jobs[f"stubbed-{n}"] = (base / f"stubbed-{n}", ["-c", RUN_SUITE, *graded(n)])
     # Handed out in sequence: assignment 3 as the student gets it, and once they have done it.
     for name in ("in-sequence-3", "done-in-sequence-3"):
         ma.make_assignment("3", base / name)
@@ -284,6 +303,7 @@ def kit(tmp_path_factory):
         jobs[f"notebooks-{n}"] = (copy / "notebooks", ["-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                                                        "--output-dir", str(base / f"executed-{n}"),
                                                        *shown_in_copy(n)])
+    jobs["imports"] = (base / f"in-sequence-{ASSIGNMENTS[0]}", ["-c", IMPORT_ALL])  # every function stubbed
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
             shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
@@ -339,14 +359,16 @@ def test_every_graded_test_passes_and_enters_the_functions_of_exactly_the_assign
 
 @pytest.mark.parametrize("n", ASSIGNMENTS)
 def test_student_version_fails_exactly_its_graded_tests(kit, n):
-    """The copy imports, and each of its graded tests fails with its own NotImplementedError. (Every
-    other test passes there: the test above.)"""
+    """With N's functions stubbed, each of N's graded tests fails with N's own NotImplementedError (run
+    with the copy's stubs planted into the project; every other test passes there: the test above). The
+    copy is the project with those bodies replaced; it imports, as even the copy that stubs every
+    assignment does."""
     copy, a = kit["base"] / f"stubbed-{n}", MAPPING["assignment"][n]
-    proc, out = kit[f"stubbed-{n}"]
-    assert proc.returncode == 0, out  # every module imported and the tests ran
-    cases = json.loads((copy / "suite.json").read_text())
-    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())["cases"]
-    assert cases.keys() == {nodeid for nodeid in traced if any(grading.matches(nodeid, s) for s in graded(n))}
+    proc, out = kit["imports"]
+    assert proc.returncode == 0, out
+    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())
+    cases = traced["stubbed"][n]
+    assert cases.keys() == {nodeid for nodeid in traced["cases"] if any(grading.matches(nodeid, s) for s in graded(n))}
     for nodeid, case in cases.items():
         assert f"NotImplementedError: Assignment {n}:" in case["message"], f"{nodeid}: {case}"
 
