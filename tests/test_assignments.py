@@ -74,34 +74,40 @@ for module in sorted(pathlib.Path('.').glob('*.py')):
 # To traced.json: {"cases": {nodeid: outcome}, "entered": {nodeid: [stub keys]}, "outside": [keys
 # entered outside a test], "stubbed": {N: run_tests' results}}.
 TRACE_SUITE = r"""
-import contextlib, importlib, inspect, json, pathlib, sys, threading
+import contextlib, functools, importlib, inspect, json, pathlib, sys, types
 sys.path.insert(0, 'tests')
 import memo, pytest, grade, grading
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
 plan = json.load(open(sys.argv[1]))
-codes = {}
-for key in plan['stubs']:
-    file, _, name = key.partition(':')
-    owner, *path, last = [importlib.import_module(file[:-3]), *name.split('.')]
-    for part in path:
-        owner = getattr(owner, part)
-    codes[inspect.unwrap(inspect.getattr_static(owner, last)).__code__] = key
 entered, building = set(), []  # since the current test (or fixture) began; memoised trainings under way
-
-
-def trace(frame, event, arg):
-    key = codes.get(frame.f_code)
-    if key is not None:
-        entered.add(key)
-        for keys in building:
-            keys.add(key)
 
 
 def note(keys):
     entered.update(keys)
     for outer in building:
         outer.update(keys)
+
+
+# Each stubbed function notes its key, then runs its own code: the function object keeps its identity
+# (its __code__ becomes a wrapper's, found through the module's globals), or, for a method with a
+# __class__ cell (it calls super()), the wrapper replaces it on its class.
+WRAPPER = "def wrapper(*args, **kwargs):\n    note, original = __noted__[{key!r}]\n    note()\n    return original(*args, **kwargs)\n"
+for key in plan['stubs']:
+    file, _, name = key.partition(':')
+    owner, *path, last = [importlib.import_module(file[:-3]), *name.split('.')]
+    for part in path:
+        owner = getattr(owner, part)
+    live = inspect.unwrap(inspect.getattr_static(owner, last))
+    original = types.FunctionType(live.__code__, live.__globals__, live.__name__, live.__defaults__, live.__closure__)
+    original.__kwdefaults__ = live.__kwdefaults__
+    live.__globals__.setdefault('__noted__', {})[key] = (lambda key=key: note({key}), original)
+    namespace = {}
+    exec(WRAPPER.format(key=key), live.__globals__, namespace)
+    if live.__code__.co_freevars:
+        setattr(owner, last, functools.wraps(live)(namespace['wrapper']))
+    else:
+        live.__code__ = namespace['wrapper'].__code__
 
 
 class Remembering(dict):  # memo's store of trained models, keeping what each training entered
@@ -159,12 +165,8 @@ class Attribute:
 
 attribute, run = Attribute(), pytest.main
 pytest.main = lambda args, plugins: run(args, plugins=[*plugins, attribute])
-sys.settrace(trace)
-threading.settrace(trace)
 status = grade.main(['--json', 'result.json'])
 grading.run_tests(sys.argv[2:])
-sys.settrace(None)
-threading.settrace(None)
 outside = sorted(attribute.outside | entered)
 pytest.main = run
 stubbed = {}
@@ -261,7 +263,7 @@ def shown_in_copy(n) -> list[str]:
 
 def run(cwd, *args):
     start = time.perf_counter()
-    env = dict(ENV, MEDUSA_FAST="1") if "nbconvert" in args else ENV
+    env = dict(ENV, MEDUSA_FAST="1") if "notebooks.json" in args else ENV
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc, f"{proc.stdout}{proc.stderr}\n[{time.perf_counter() - start:.1f} s in {cwd}]"
 
@@ -293,16 +295,16 @@ def kit(tmp_path_factory):
         jobs[name] = (base / name, ["grade.py", "--json", "result.json"])
     restore_bodies(base / "done-in-sequence-3", "3")
     # Every copy handed out in sequence: what runs there and what stops, naming the assignment it waits for.
+    notebooks = {}  # in each copy, the notebooks that show its assignment's code, on the model it came with
     for n in ASSIGNMENTS:
         copy = base / f"in-sequence-{n}"
         if not copy.exists():
             ma.make_assignment(n, copy)
         jobs[f"pipeline-{n}"] = (copy, ["train_heads.py", "--preset", "tiny", "--drafters", "medusa,eagle",
                                          "--out", "out/try"])
-        # The notebooks that show assignment n's code, top to bottom, on the model the copy came with.
-        jobs[f"notebooks-{n}"] = (copy / "notebooks", ["-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
-                                                       "--output-dir", str(base / f"executed-{n}"),
-                                                       *shown_in_copy(n)])
+        notebooks.update({str(copy / "notebooks" / name): str(base / f"executed-{n}" / name) for name in shown_in_copy(n)})
+    (base / "notebooks.json").write_text(json.dumps(notebooks))
+    jobs["notebooks"] = (base, [str(ROOT / "tests" / "notebook_runs.py"), "notebooks.json", "ran.json"])
     jobs["imports"] = (base / f"in-sequence-{ASSIGNMENTS[0]}", ["-c", IMPORT_ALL])  # every function stubbed
     if PRIVATE.is_dir():
         for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
@@ -562,10 +564,12 @@ def test_every_copy_runs_what_it_can_and_names_what_it_waits_for(kit):
         assert lines[0].startswith(f"error: train_heads.py needs assignment {n} ("), out
         assert not (kit["base"] / f"in-sequence-{n}" / "out" / "try" / "base.pt").exists()
         assert TEACHING.get(n), f"notebooks/README.md names no notebook showing assignment {n}'s code"
-        proc, out = kit[f"notebooks-{n}"]
+        proc, out = kit["notebooks"]
         assert proc.returncode == 0, out[-3000:]
-        executed = sorted(p.name for p in (kit["base"] / f"executed-{n}").glob("*.ipynb"))
-        assert executed == shown_in_copy(n), executed
+        ran = json.loads((kit["base"] / "ran.json").read_text())
+        for name in shown_in_copy(n):
+            error = ran[str(kit["base"] / f"in-sequence-{n}" / "notebooks" / name)]
+            assert error == "", f"in the copy for {n}, {name}: {error[-3000:]}"
         for name in TEACHING[n]:
             printed = "".join(outputs(kit["base"] / f"executed-{n}" / name))
             assert f"this cell needs assignment {n} (" in printed, f"in the copy for {n}, no cell of {name} waited for it"

@@ -1,12 +1,12 @@
 """The notebooks in notebooks/ run top to bottom in fast mode, import rather than redefine the code, and
 their committed outputs agree with each other.
 
-Each notebook runs through nbmake (the pytest plugin, pinned in requirements.txt) in its own pytest
-process, with MEDUSA_FAST=1 in that process's environment, which the notebook's kernel inherits. So the
-notebooks use the tiny model here even on a machine where `python train_heads.py` has written a real
-out/medusa.pt. The tiny model is trained first, once; then the notebooks run one at a time (each on one
-CPU thread) in the background, while the other pytest worker keeps the second core busy. The same run by hand:
-MEDUSA_FAST=1 python -m pytest --nbmake notebooks
+The notebooks run in one background process (tests/notebook_runs.py: nbclient, which nbmake and
+nbconvert run on), a kernel each, one at a time (each on one CPU thread), while the other pytest
+worker keeps the second core busy. MEDUSA_FAST=1 is in that process's environment, which the kernels
+inherit, so the notebooks use the tiny model here even on a machine where `python train_heads.py` has
+written a real out/medusa.pt; the tiny model is trained first, once. The same runs by hand, through
+nbmake (the pytest plugin, pinned in requirements.txt): MEDUSA_FAST=1 python -m pytest --nbmake notebooks
 The other tests read the committed notebooks (their code and the outputs of the run that made them).
 """
 import ast
@@ -55,33 +55,35 @@ def test_the_course_has_eight_numbered_notebooks():
 ENV = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | {"MEDUSA_FAST": "1"}  # the kernel: inline plots
 
 
-def run_notebook(notebook):
-    """nbmake on one notebook, in its own pytest process (300 s per cell at most)."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "--nbmake", "--nbmake-timeout=300", "-p",
-         "no:cacheprovider", "-q", os.path.relpath(notebook, ROOT)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
-def notebook_runs(request):
-    """The selected notebooks' runs, started together: the tiny model first (trained once, if it is not there
-    yet: two kernels must not train it at once), then one notebook at a time (a third busy process on two
-    cores slows every one)."""
+def notebook_runs(request, tmp_path_factory):
+    """The selected notebooks' runs, in the background: the tiny model first (trained once, if it is not
+    there yet: two kernels must not train it at once), then one notebook at a time (a third busy process
+    on two cores slows every one), all in one process (tests/notebook_runs.py). Yields a future of
+    {notebook: "" or its error}."""
     wanted = [item.callspec.params["notebook"] for item in request.session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom_in_fast_mode"]
     train = subprocess.run([sys.executable, "-c", "import training; training.trained_model()"], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-4000:]
+    folder = tmp_path_factory.mktemp("notebooks")
+    (folder / "plan.json").write_text(json.dumps(dict.fromkeys(wanted)))
+
+    def run():
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "notebook_runs.py"), str(folder / "plan.json"),
+                               str(folder / "results.json")], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                              timeout=1800)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        return json.loads((folder / "results.json").read_text())
     with ThreadPoolExecutor(max_workers=1) as pool:
-        yield {notebook: pool.submit(run_notebook, notebook) for notebook in wanted}
+        yield pool.submit(run)
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom_in_fast_mode(notebook, notebook_runs):
     """Every cell runs without error, offline, on the tiny model."""
-    result = notebook_runs[notebook].result()
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+    error = notebook_runs.result()[notebook]
+    assert error == "", error[-8000:]
 
 
 FORBIDDEN = [r"class\s+\w+\s*\(.*nn\.Module", r"def\s+medusa_generate\b", r"def\s+eagle_generate\b",
