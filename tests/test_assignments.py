@@ -50,7 +50,7 @@ def graded(n) -> list[str]:
 GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)})
 STUBS = {key: n for n in ASSIGNMENTS for key in MAPPING["assignment"][n]["stubs"]}  # "file:function": assignment
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
-ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: 2 s less a run
+ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: not loaded
            MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000",  # train_heads.py's allocator settings
            MALLOC_TOP_PAD_="1000000000")                                  # set: it starts once, not twice
 

@@ -2,7 +2,7 @@
 assignment's correctness tests fail (never only an efficiency test), and every correct rewrite
 there passes them, a slower one included.
 
-One `python grade.py --mutants` process runs them all (about 20 CPU-seconds): each fault is planted
+One `python grade.py --mutants` process runs them all: each fault is planted
 in the reference code at run time by swapping one function's code, and only its listed tests run,
 stopping at the first failure."""
 import json

