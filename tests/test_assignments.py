@@ -344,6 +344,8 @@ def test_every_graded_test_passes_and_enters_the_functions_of_exactly_the_assign
     assignment N enters one of N's functions, and a test N does not list enters none of them, so it
     runs in N's stubbed copy exactly as here (the stubs change nothing else). Nothing enters them
     while the test files are collected."""
+    for file in GRADED_FILES:  # a fixture fetched by name at run time would escape the noting
+        assert "getfixturevalue" not in (ROOT / file).read_text(), f"{file}: request fixtures as arguments"
     proc, out = kit["restored"]
     traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())
     assert not traced["outside"], f"entered outside any test: {traced['outside']}"
