@@ -424,7 +424,7 @@ def planted(fault: dict):
     if swap:
         live.__code__ = new.__code__
     else:
-        setattr(owner, short, vars(namespace[classes[-1]])[short])
+        setattr(owner, short, new)
     try:
         yield
     finally:

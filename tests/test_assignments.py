@@ -268,6 +268,14 @@ def run(cwd, *args):
     return proc, f"{proc.stdout}{proc.stderr}\n[{time.perf_counter() - start:.1f} s in {cwd}]"
 
 
+def read_traced(kit) -> dict:
+    """What the traced run in the restored copy wrote (TRACE_SUITE)."""
+    proc, out = kit["restored"]
+    path = kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json"
+    assert path.exists(), out[-3000:]
+    return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
     """Every student version, stubbed and restored, and a project with private tests; the runs, one at a
@@ -306,9 +314,8 @@ def kit(tmp_path_factory):
     (base / "notebooks.json").write_text(json.dumps(notebooks))
     jobs["notebooks"] = (base, [str(ROOT / "tests" / "notebook_runs.py"), "notebooks.json", "ran.json"])
     jobs["imports"] = (base / f"in-sequence-{ASSIGNMENTS[0]}", ["-c", IMPORT_ALL])  # every function stubbed
-    if PRIVATE.is_dir():
-        for copy in [restored] + [base / f"stubbed-{n}" for n in ASSIGNMENTS]:
-            shutil.copytree(PRIVATE, copy / ma.PRIVATE_DIR)
+    if PRIVATE.is_dir():  # the stubbed copies run no tests: their assignments' tests run in the restored one
+        shutil.copytree(PRIVATE, restored / ma.PRIVATE_DIR)
     jobs["slower-3"] = (slower_project(base), ["grade.py", "--json", "result.json"])
     project = private_project(base)
     for name in ("private-missing", "private-present"):
@@ -346,8 +353,7 @@ def test_every_graded_test_passes_and_enters_the_functions_of_exactly_the_assign
     while the test files are collected."""
     for file in GRADED_FILES:  # a fixture fetched by name at run time would escape the noting
         assert "getfixturevalue" not in (ROOT / file).read_text(), f"{file}: request fixtures as arguments"
-    proc, out = kit["restored"]
-    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())
+    traced = read_traced(kit)
     assert not traced["outside"], f"entered outside any test: {traced['outside']}"
     assert len(traced["cases"]) > 100 and traced["entered"].keys() == traced["cases"].keys()
     for nodeid, case in traced["cases"].items():
@@ -370,7 +376,7 @@ def test_student_version_fails_exactly_its_graded_tests(kit, n):
     copy, a = kit["base"] / f"stubbed-{n}", MAPPING["assignment"][n]
     proc, out = kit["imports"]
     assert proc.returncode == 0, out
-    traced = json.loads((kit["base"] / f"restored-{ASSIGNMENTS[0]}" / "traced.json").read_text())
+    traced = read_traced(kit)
     cases = traced["stubbed"][n]
     assert cases.keys() == {nodeid for nodeid in traced["cases"] if any(grading.matches(nodeid, s) for s in graded(n))}
     for nodeid, case in cases.items():
