@@ -232,9 +232,18 @@ def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str,
     files = sorted({s.split("::")[0] for s in specs if os.path.exists(s.split("::")[0])})
     recorder = _Recorder(specs, in_spec_order)
     if files:  # pytest with no paths would run the whole suite
-        # Options of our own, not pytest.ini's addopts: grading must not depend on them (e.g. --nbmake).
-        pytest.main(["-o", "addopts=", "-q", "-rN", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                     *pytest_args, *files], plugins=[recorder])
+        # Options of our own, not pytest.ini's addopts, and no plugin that happens to be installed: grading
+        # must not depend on them (the graded tests use none), and loading them slows every run.
+        autoload = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        try:
+            pytest.main(["-o", "addopts=", "-q", "-rN", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                         *pytest_args, *files], plugins=[recorder])
+        finally:
+            if autoload is None:
+                del os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
+            else:
+                os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = autoload
     cases = dict(recorder.cases)
     for spec in specs:
         if not any(matches(nodeid, spec) for nodeid in cases) and "-x" not in pytest_args:

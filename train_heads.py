@@ -133,14 +133,16 @@ def main(argv=None):
     return training.run(args)
 
 
-def use_fast_malloc():
-    """Re-run this command once with glibc allocator settings that keep freed memory.
+# glibc allocator settings that keep freed memory: by default glibc hands large tensors back to the OS
+# after every step and maps them in again on the next; on small Linux VMs that made CPU training slower
+# (measured: docs/results.md).
+FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
 
-    By default glibc hands large tensors back to the OS after every step and maps them in again
-    on the next; on small Linux VMs that made CPU training slower (measured: docs/results.md)."""
-    settings = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
-    if sys.platform == "linux" and not any(k in os.environ for k in settings):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **settings})
+
+def use_fast_malloc():
+    """Re-run this command once with FAST_MALLOC in its environment (glibc reads it at start-up)."""
+    if sys.platform == "linux" and not any(k in os.environ for k in FAST_MALLOC):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **FAST_MALLOC})
 
 
 if __name__ == "__main__":

@@ -15,6 +15,30 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
 from memo import trained_once  # noqa: E402
+import warm  # noqa: E402
+from train_heads import FAST_MALLOC  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The order the two workers take the test files in (pytest.ini: --dist loadfile --no-loadscope-reorder; a
+# worker takes the next file when it has little left of its last): the assignment kit first, the longest;
+# the notebooks once the tiny model they share with it is trained; the longer files before the shorter.
+FIRST = ["test_assignments.py", "test_decoding.py", "test_pipeline.py", "test_notebooks.py", "test_smollm.py",
+         "test_peers.py", "test_mutants.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(FIRST)))  # stable: files stay whole
+
+
+def train_tiny_run():
+    """out/tiny/, the tiny preset's run that the notebooks (in fast mode) and the assignment kit's copies
+    use (training.tiny_run): trained once, if it is not there yet, with train_heads.py's allocator settings,
+    on one thread (the other worker keeps the second core busy)."""
+    env = {**os.environ, **FAST_MALLOC}
+    code = "import torch, training; torch.set_num_threads(1); training.tiny_run()"
+    proc = warm.run(["-c", code], ROOT, env, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 def tiny_config(**kw):

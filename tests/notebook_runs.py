@@ -10,16 +10,24 @@ notebook: {notebook path: "" when every cell ran, else the error}. Each cell may
 import json
 import os
 import sys
+import tempfile
 
 import nbformat
 from nbclient import NotebookClient
 
+import warm
+
 
 def run(plan: dict, results_path: str) -> dict:
-    results = {}
+    results, kernel = {}, {}
+    if os.environ.get(warm.SOCKET):  # started through tests/warm.py: so are the kernels
+        folder = tempfile.mkdtemp(prefix="kernelspec-")
+        kernel["kernel_name"] = warm.kernelspec(folder)
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("JUPYTER_PATH")]))
     for path, executed in plan.items():
         notebook = nbformat.read(path, as_version=4)
-        client = NotebookClient(notebook, timeout=300, resources={"metadata": {"path": os.path.dirname(path)}})
+        client = NotebookClient(notebook, timeout=300, resources={"metadata": {"path": os.path.dirname(path)}},
+                                **kernel)
         try:
             client.execute()
             results[path] = ""

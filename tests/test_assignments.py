@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,9 @@ sys.path.insert(0, str(ROOT))
 import grade  # noqa: E402
 import grading  # noqa: E402
 import make_assignment as ma  # noqa: E402
+import train_heads  # noqa: E402
+import warm  # noqa: E402
+from conftest import train_tiny_run  # noqa: E402
 
 MAPPING = ma.load_mapping()
 ASSIGNMENTS = list(MAPPING["assignment"])
@@ -51,8 +53,7 @@ GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)}
 STUBS = {key: n for n in ASSIGNMENTS for key in MAPPING["assignment"][n]["stubs"]}  # "file:function": assignment
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
 ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: not loaded
-           MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_="100000000000",  # train_heads.py's allocator settings
-           MALLOC_TOP_PAD_="1000000000")                                  # set: it starts once, not twice
+           **train_heads.FAST_MALLOC)  # set: train_heads.py starts once, not twice
 
 # Run in the copy handed out for the first assignment, where every assignment is stubbed: every module imports.
 IMPORT_ALL = """
@@ -264,7 +265,7 @@ def shown_in_copy(n) -> list[str]:
 def run(cwd, *args):
     start = time.perf_counter()
     env = dict(ENV, MEDUSA_FAST="1") if "notebooks.json" in args else ENV
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = warm.run(args, cwd, env, timeout=600)
     return proc, f"{proc.stdout}{proc.stderr}\n[{time.perf_counter() - start:.1f} s in {cwd}]"
 
 
@@ -281,6 +282,7 @@ def kit(tmp_path_factory):
     """Every student version, stubbed and restored, and a project with private tests; the runs, one at a
     time (the other pytest worker keeps the second core busy: a third process slows them all)."""
     base = tmp_path_factory.mktemp("kit")
+    train_tiny_run()  # the model every copy carries (make_assignment.py), if it is not trained yet
     project_bytes = {f: (ROOT / f).read_bytes() for f in ma.project_files(ROOT)}  # before any copy
     jobs = {}  # name: (directory, python arguments), longest first
     for n in ASSIGNMENTS:
@@ -498,12 +500,18 @@ def test_stubbing_any_function_and_restoring_it_gives_back_the_file(file):
 @pytest.mark.parametrize("n", ASSIGNMENTS)
 def test_a_copy_holds_no_solution_ahead_of_the_student(tmp_path, n):
     """The copy for N, as handed out: N's functions and every later assignment's are stubs; no line
-    of their reference bodies (notebook outputs included) nor a later assignment's full hint is in any file."""
+    of their reference bodies (notebook outputs included) nor a later assignment's full hint is in any text
+    file (the checkpoints, plots and token arrays are binary)."""
     copy = tmp_path / "copy"
     ma.make_assignment(n, copy)
     later = ma.later_assignments(MAPPING, n)
-    texts = {f: p.read_text(encoding="utf-8", errors="replace") for p in copy.rglob("*") if p.is_file()
-             for f in [p.relative_to(copy).as_posix()]}
+    texts = {}
+    for p in copy.rglob("*"):
+        try:
+            texts[p.relative_to(copy).as_posix()] = p.read_bytes().decode("utf-8") if p.is_file() else None
+        except UnicodeDecodeError:
+            assert p.suffix in (".pt", ".png", ".npy"), f"{p}: neither text nor a checkpoint, plot or token array"
+    texts = {f: t for f, t in texts.items() if t is not None}
     files = [f for f in ma.project_files(ROOT) if not f.startswith(tuple(MAPPING["exclude"]))]
     for m in [n] + later:
         secret = ma.solution_lines(ROOT, files, MAPPING["assignment"][m]["stubs"])
@@ -659,8 +667,7 @@ def test_errors_the_tests_expect_are_stated_where_students_look(tmp_path):
         specs += [t for n in ASSIGNMENTS for t in graded(n) if t.startswith(f"{file}::")
                   and t.split("::")[1].split("[")[0] in raising]
     out = tmp_path / "raised.json"
-    proc = subprocess.run([sys.executable, "-c", RAISES, str(out), *dict.fromkeys(specs)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    proc = warm.run(["-c", RAISES, str(out), *dict.fromkeys(specs)], ROOT, ENV, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     seen = json.loads(out.read_text())
     stubs = {key: a for a in MAPPING["assignment"].values() for key in a["stubs"]}
@@ -692,8 +699,7 @@ with grading.planted(reworded):
     cases = grading.run_tests(["tests/test_tree.py::test_grow_tree_on_a_hand_made_table"])
 json.dump(cases, open(sys.argv[1], "w"))
 """
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.json")], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    proc = warm.run(["-c", script, str(tmp_path / "cases.json")], ROOT, ENV, timeout=600)
     [case] = json.loads((tmp_path / "cases.json").read_text()).values()
     assert case["outcome"] == "failed" and "\n" not in case["message"], proc.stdout + proc.stderr
     assert re.search(r"Regex pattern did not match\..*'supplies'.*holds 1\.\.6 nodes", case["message"]), case

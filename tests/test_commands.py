@@ -1,8 +1,7 @@
 """The commands: every flag takes effect or is refused in one line, on every base, and a device this
 machine or this torch build does not have is named, with what to install. CUDA and MPS are stood in
 for on the CPU by patching what torch reports."""
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import benchmark
 import common
 import sample
 import train_heads
+import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +102,7 @@ def test_sample_refuses_flags_that_would_do_nothing():
 
 
 def test_a_users_mistake_is_one_line_and_a_nonzero_exit():
-    result = subprocess.run([sys.executable, "train_heads.py", "--base", "smollm2", "--preset", "tiny"], cwd=ROOT,
-                            capture_output=True, text=True)
+    env = {**os.environ, **train_heads.FAST_MALLOC}  # set: the command starts once, not twice
+    result = warm.run(["train_heads.py", "--base", "smollm2", "--preset", "tiny"], ROOT, env)
     assert result.returncode != 0
     assert result.stderr.startswith("error: --preset") and len(result.stderr.strip().splitlines()) == 1

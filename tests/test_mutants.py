@@ -6,7 +6,6 @@ One `python grade.py --mutants` process runs them all: each fault is planted
 in the reference code at run time by swapping one function's code, and only its listed tests run,
 stopping at the first failure."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import grading  # noqa: E402
+import warm  # noqa: E402
 
 ASSIGNMENTS = grading.load_mapping()["assignment"]
 DATA = grading.load_mutants(ASSIGNMENTS)
@@ -23,8 +23,7 @@ DATA = grading.load_mutants(ASSIGNMENTS)
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("mutants") / "mutants.json"
-    proc = subprocess.run([sys.executable, "grade.py", "--mutants", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = warm.run(["grade.py", "--mutants", "--json", str(out)], ROOT, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())["mutants"]
 

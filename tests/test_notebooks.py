@@ -6,7 +6,7 @@ nbconvert run on), a kernel each, one at a time (each on one CPU thread), while 
 worker keeps the second core busy. MEDUSA_FAST=1 is in that process's environment, which the kernels
 inherit, so the notebooks use the tiny model here even on a machine where `python train_heads.py` has
 written a real out/medusa.pt; the tiny model is trained first, once. The same runs by hand, through
-nbmake (the pytest plugin, pinned in requirements.txt): MEDUSA_FAST=1 python -m pytest --nbmake notebooks
+nbmake (the pytest plugin, pinned in requirements.txt): MEDUSA_FAST=1 python -m pytest -p nbmake --nbmake notebooks
 The other tests read the committed notebooks (their code and the outputs of the run that made them).
 """
 import ast
@@ -14,11 +14,13 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+import warm
+from conftest import train_tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "[0-9]*.ipynb")))
@@ -63,16 +65,13 @@ def notebook_runs(request, tmp_path_factory):
     {notebook: "" or its error}."""
     wanted = [item.callspec.params["notebook"] for item in request.session.items
               if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom_in_fast_mode"]
-    train = subprocess.run([sys.executable, "-c", "import training; training.trained_model()"], cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=1800)
-    assert train.returncode == 0, train.stdout[-4000:] + train.stderr[-4000:]
+    train_tiny_run()
     folder = tmp_path_factory.mktemp("notebooks")
     (folder / "plan.json").write_text(json.dumps(dict.fromkeys(wanted)))
 
     def run():
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "notebook_runs.py"), str(folder / "plan.json"),
-                               str(folder / "results.json")], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=1800)
+        proc = warm.run([os.path.join(ROOT, "tests", "notebook_runs.py"), str(folder / "plan.json"),
+                         str(folder / "results.json")], ROOT, ENV, timeout=1800)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
         return json.loads((folder / "results.json").read_text())
     with ThreadPoolExecutor(max_workers=1) as pool:

@@ -2,8 +2,6 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import common
 import measure
 import train_heads
 import training
+import warm
 from conftest import PERIOD
 from medusa_mini import GPT, GPTConfig
 from verify import KVCache
@@ -67,8 +66,8 @@ def test_a_tree_is_grown_for_exact_sampling(tiny_run):
     assert validate_choices(tree) and tree == [tuple(p) for p in ckpt["sampling_order"]][:len(tree)]
     assert ckpt["sampled_accuracies"] != ckpt["accuracies"]
     assert f"medusa exact T=0.7, sampling tree ({len(tree)} nodes)" in report["modes"]
-    result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--tokens", "12", "--temperature", "0.7",
-                             "--sampling", "exact"], cwd=ROOT, capture_output=True, text=True)
+    result = warm.run(["sample.py", "--out", str(out), "--tokens", "12", "--temperature", "0.7", "--sampling", "exact"],
+                      ROOT)
     assert result.returncode == 0, result.stderr
     assert f"tree: {len(tree)} nodes" in result.stdout
 
@@ -143,8 +142,7 @@ def test_head_accuracies_read_the_right_offsets(periodic_model):
 def test_sample_prints_text_and_stats(tiny_run):
     """sample.py --compare prints the continuation, the drafter's stats line and both speeds."""
     out, _ = tiny_run
-    result = subprocess.run([sys.executable, "sample.py", "--out", str(out), "--prompt", "ROMEO:", "--tokens", "12",
-                             "--compare"], cwd=ROOT, capture_output=True, text=True)
+    result = warm.run(["sample.py", "--out", str(out), "--prompt", "ROMEO:", "--tokens", "12", "--compare"], ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain 12 tokens" in result.stdout
     assert "\033[" not in result.stdout  # not a terminal: no colour codes
