@@ -75,9 +75,9 @@ for module in sorted(pathlib.Path('.').glob('*.py')):
 # To traced.json: {"cases": {nodeid: outcome}, "entered": {nodeid: [stub keys]}, "outside": [keys
 # entered outside a test], "stubbed": {N: run_tests' results}}.
 TRACE_SUITE = r"""
-import contextlib, functools, importlib, inspect, json, pathlib, sys, types
+import contextlib, importlib, json, pathlib, sys
 sys.path.insert(0, 'tests')
-import memo, pytest, grade, grading
+import memo, noting, pytest, grade, grading
 for module in sorted(pathlib.Path('.').glob('*.py')):
     importlib.import_module(module.stem)
 plan = json.load(open(sys.argv[1]))
@@ -90,25 +90,7 @@ def note(keys):
         outer.update(keys)
 
 
-# Each stubbed function notes its key, then runs its own code: the function object keeps its identity
-# (its __code__ becomes a wrapper's, found through the module's globals), or, for a method with a
-# __class__ cell (it calls super()), the wrapper replaces it on its class.
-WRAPPER = "def wrapper(*args, **kwargs):\n    note, original = __noted__[{key!r}]\n    note()\n    return original(*args, **kwargs)\n"
-for key in plan['stubs']:
-    file, _, name = key.partition(':')
-    owner, *path, last = [importlib.import_module(file[:-3]), *name.split('.')]
-    for part in path:
-        owner = getattr(owner, part)
-    live = inspect.unwrap(inspect.getattr_static(owner, last))
-    original = types.FunctionType(live.__code__, live.__globals__, live.__name__, live.__defaults__, live.__closure__)
-    original.__kwdefaults__ = live.__kwdefaults__
-    live.__globals__.setdefault('__noted__', {})[key] = (lambda key=key: note({key}), original)
-    namespace = {}
-    exec(WRAPPER.format(key=key), live.__globals__, namespace)
-    if live.__code__.co_freevars:
-        setattr(owner, last, functools.wraps(live)(namespace['wrapper']))
-    else:
-        live.__code__ = namespace['wrapper'].__code__
+noting.install(plan['stubs'], lambda key: note({key}))
 
 
 class Remembering(dict):  # memo's store of trained models, keeping what each training entered
@@ -571,8 +553,11 @@ def test_every_copy_runs_what_it_can_and_names_what_it_waits_for(kit):
     and runs every notebook where nothing is stubbed.)
 
     So every notebook up to N runs in the copy for N: a notebook that runs in the copy for M runs in
-    every later copy, which stubs a subset of what M's stubs (a cell runs only when every assignment it
-    needs is done, and then runs as in the whole project)."""
+    every later copy, which stubs a subset of what M's stubs. A cell guarded by course.needs(..., K) runs
+    in a copy exactly when K comes before the copy's assignment, and tests/test_notebooks.py checks the
+    two ways it could then fail where the copy for M did not run it: no cell enters a function of an
+    assignment later than its guard names (noted in the unstubbed run), and no statement reads a name that
+    only a later guard's statement defines."""
     for n in ASSIGNMENTS:
         proc, out = kit[f"pipeline-{n}"]
         lines = proc.stderr.strip().splitlines()

@@ -61,19 +61,21 @@ ENV = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | {"MEDUSA_FAST
 def notebook_runs(request, tmp_path_factory):
     """The selected notebooks' runs, in the background: the tiny model first (trained once, if it is not
     there yet: two kernels must not train it at once), then one notebook at a time (a third busy process
-    on two cores slows every one), all in one process (tests/notebook_runs.py). Yields a future of
-    {notebook: "" or its error}."""
-    wanted = [item.callspec.params["notebook"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom_in_fast_mode"]
+    on two cores slows every one), all in one process (tests/notebook_runs.py), noting per code cell the
+    assignments' functions it enters and its course.needs calls. Yields a future of ({notebook: "" or its
+    error}, {notebook: the noted cells})."""
+    users = ("test_notebook_runs_top_to_bottom_in_fast_mode", "test_a_cell_enters_only_the_assignments_its_guard_names")
+    wanted = list(dict.fromkeys(item.callspec.params["notebook"] for item in request.session.items
+                                if getattr(item, "originalname", None) in users))
     train_tiny_run()
     folder = tmp_path_factory.mktemp("notebooks")
     (folder / "plan.json").write_text(json.dumps(dict.fromkeys(wanted)))
 
     def run():
         proc = warm.run([os.path.join(ROOT, "tests", "notebook_runs.py"), str(folder / "plan.json"),
-                         str(folder / "results.json")], ROOT, ENV, timeout=1800)
+                         str(folder / "results.json"), str(folder / "cells.json")], ROOT, ENV, timeout=1800)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        return json.loads((folder / "results.json").read_text())
+        return json.loads((folder / "results.json").read_text()), json.loads((folder / "cells.json").read_text())
     with ThreadPoolExecutor(max_workers=1) as pool:
         yield pool.submit(run)
 
@@ -81,8 +83,28 @@ def notebook_runs(request, tmp_path_factory):
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom_in_fast_mode(notebook, notebook_runs):
     """Every cell runs without error, offline, on the tiny model."""
-    error = notebook_runs.result()[notebook]
+    error = notebook_runs.result()[0][notebook]
     assert error == "", error[-8000:]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_a_cell_enters_only_the_assignments_its_guard_names(notebook, notebook_runs):
+    """In the run above, no code cell enters a function of an assignment later than the largest its
+    course.needs calls name (none: no assignment's function at all). A copy handed out for M stubs M and
+    later assignments, and runs a cell guarded by N exactly when N < M: so the cell never meets a stub.
+    (Per cell, not per guarded block: a cell with two guards is held to the later.)"""
+    import grading
+    assignment_of = {key: int(n) for n, a in grading.load_mapping()["assignment"].items() for key in a["stubs"]}
+    ran = [c for c in cells(notebook, "code") if "".join(c["source"]).strip()]  # nbclient skips empty cells
+    noted = notebook_runs.result()[1][notebook]
+    assert len(noted) == len(ran), f"{len(noted)} cells noted, {len(ran)} code cells"
+    problems = []
+    for index, record in enumerate(noted):
+        guard = max((n for numbers in record["needs"] for n in numbers), default=0)
+        later = sorted(key for key in record["entered"] if assignment_of[key] > guard)
+        if later:
+            problems.append(f"code cell {index} (guard {guard}) enters {later}")
+    assert not problems, f"{os.path.basename(notebook)}: " + "; ".join(problems)
 
 
 FORBIDDEN = [r"class\s+\w+\s*\(.*nn\.Module", r"def\s+medusa_generate\b", r"def\s+eagle_generate\b",
@@ -188,3 +210,67 @@ def test_the_readme_says_which_assignments_each_notebook_needs():
             for n in needed:
                 counted[n - 1] += 1
         assert said == counted, f"{os.path.basename(notebook)}: README says {said}, the notebook {counted}"
+
+
+def guards_and_names(source):
+    """Per top-level statement of a code cell: (its guard, the names it defines, the notebook-level names it
+    reads, whether it is a def or class, whose body reads them when called). Its guard: the largest N of
+    the course.needs(...) of the `if` it sits in (`if course.needs(...) and ...:` too), 0 if none (it runs
+    in every copy). A copy handed out for M stubs assignments M and later, so a statement guarded by N
+    runs there exactly when N < M."""
+    import symtable
+
+    def walk(statements, guard):
+        for statement in statements:
+            test = getattr(statement, "test", None)
+            conjuncts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+            needs = [c for c in conjuncts if isinstance(c, ast.Call) and ast.unparse(c.func) == "course.needs"]
+            if isinstance(statement, ast.If) and needs:  # if course.needs(...) [and ...]:
+                yield from walk(statement.body, max([guard] + [ast.literal_eval(a) for c in needs for a in c.args]))
+                yield from walk(statement.orelse, guard)
+                continue
+            table = symtable.symtable(ast.unparse(statement), "<cell>", "exec")
+            defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()
+                       or s.is_namespace()}
+            read, scopes = set(), [table]
+            while scopes:
+                scope = scopes.pop()
+                scopes += scope.get_children()
+                read |= {s.get_name() for s in scope.get_symbols()
+                         if s.is_referenced() and (scope is table or s.is_global())}
+            deferred = isinstance(statement, (ast.FunctionDef, ast.ClassDef))  # its body runs when called
+            yield guard, defined, read - defined, deferred  # a name the statement binds (a loop variable): its own
+    return list(walk(ast.parse(source).body, 0))
+
+
+def guard_problems(sources) -> list[str]:
+    """For code cells in order: each statement that reads a name defined only under a later guard."""
+    defined_at = {}  # name: the smallest guard under which a statement so far defined it (a function: the
+    problems = []    # largest guard of what its body reads, so that it counts where it is called)
+    for index, source in enumerate(sources):
+        for guard, defined, read, deferred in guards_and_names(source):
+            if deferred:
+                guard = max([guard] + [defined_at.get(name, 0) for name in read])
+            else:
+                problems += [f"code cell {index} reads {name} under guard {guard}, defined under {defined_at[name]}"
+                             for name in read if defined_at.get(name, 0) > guard]
+            for name in defined:
+                defined_at[name] = min(defined_at.get(name, guard), guard)
+    return problems
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_a_guarded_cells_names_come_from_cells_that_run_when_it_runs(notebook):
+    """A statement that reads a name defined only under a course.needs guard is guarded by at least as
+    late an assignment: in every copy where it runs, so did the statement that defined the name. (With
+    test_a_cell_enters_only_the_assignments_its_guard_names, a notebook that runs top to bottom in the copy
+    for the first assignment it shows runs in the copies for later ones too.)"""
+    problems = guard_problems(["".join(c["source"]) for c in cells(notebook, "code")])
+    assert not problems, f"{os.path.basename(notebook)}: " + "; ".join(problems)
+
+
+def test_the_guard_check_finds_a_name_from_a_later_guard():
+    cells_ = ["if course.needs(3):\n    x = 1\n", "def f():\n    return x\n", "if course.needs(2):\n    print(x)\n",
+              "if course.needs(2):\n    f()\n", "if course.needs(1, 4):\n    f()\n"]
+    assert guard_problems(cells_) == ["code cell 2 reads x under guard 2, defined under 3",
+                                      "code cell 3 reads f under guard 2, defined under 3"]

@@ -24,10 +24,12 @@ def both(args, cwd, env):
 def test_a_forked_command_sees_what_a_new_interpreter_sees(tmp_path, form):
     """The same __name__, argv, sys.path[0], folder and environment, the same streams and exit status."""
     (tmp_path / "show.py").write_text(SHOW)
-    args = {"-c": ["-c", SHOW, "a", "3"], "script": [str(tmp_path / "show.py"), "a", "3"], "-m": ["-m", "show", "a", "3"]}
+    args = {"-c": ["-c", SHOW, "a", "3"], "script": [str(tmp_path / "show.py"), "a", "3"],
+            "-m": ["-m", "show", "a", "3"]}
     env = dict(os.environ, WARM_PROBE="seen")
     fresh, forked = both(args[form], tmp_path, env)
-    assert fresh.returncode == 3 and (forked.returncode, forked.stdout, forked.stderr) == (3, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == 3
+    assert (forked.returncode, forked.stdout, forked.stderr) == (3, fresh.stdout, fresh.stderr)
 
 
 def test_an_uncaught_error_prints_the_commands_own_traceback(tmp_path):
