@@ -18,6 +18,12 @@ from eagle import EagleModel, eagle_generate
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_generate
 from mtp import MTPModel
 
+# glibc allocator settings that keep freed memory: by default glibc hands large tensors back to the OS
+# after every step and maps them in again on the next; on small Linux VMs that made CPU training slower
+# (measured: docs/results.md).
+FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
+
+
 # Sizes and defaults per preset. seq_len is both the training window and the model's context
 # (block_size), so every position that generation uses has been trained; prompt + new tokens of
 # every stage must fit in it (train_heads.generation_lengths, tested).

@@ -14,7 +14,7 @@ import sys
 
 import grading
 import training
-from common import PRESETS, RUN_DEFAULTS, ArgumentParser, pick_device
+from common import FAST_MALLOC, PRESETS, RUN_DEFAULTS, ArgumentParser, pick_device
 
 # Flags that apply to SmolLM2 too; every other flag shapes the tiny GPT or its data and is refused there.
 SMOLLM2_FLAGS = {"base", "out", "device", "threads", "seed", "resume", "head_steps", "head_lr", "report_prompts",
@@ -131,12 +131,6 @@ def main(argv=None):
                                 eagle_lr=args.eagle_lr, report_prompts=args.report_prompts,
                                 report_tokens=args.report_tokens)
     return training.run(args)
-
-
-# glibc allocator settings that keep freed memory: by default glibc hands large tensors back to the OS
-# after every step and maps them in again on the next; on small Linux VMs that made CPU training slower
-# (measured: docs/results.md).
-FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
 
 
 def use_fast_malloc():

@@ -16,7 +16,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
 from memo import trained_once  # noqa: E402
 import warm  # noqa: E402
-from train_heads import FAST_MALLOC  # noqa: E402
+from common import FAST_MALLOC  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The order the two workers take the test files in (pytest.ini: --dist loadfile --no-loadscope-reorder; a

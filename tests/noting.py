@@ -35,6 +35,7 @@ def install(keys, note):
             setattr(owner, last, functools.wraps(live)(namespace["wrapper"]))
         else:
             code = live.__code__
-            live.__code__ = namespace["wrapper"].__code__.replace(
-                co_filename=code.co_filename, co_firstlineno=code.co_firstlineno, co_name=code.co_name,
-                co_qualname=code.co_qualname)
+            names = dict(co_filename=code.co_filename, co_firstlineno=code.co_firstlineno, co_name=code.co_name)
+            if hasattr(code, "co_qualname"):  # Python 3.11 and later
+                names["co_qualname"] = code.co_qualname
+            live.__code__ = namespace["wrapper"].__code__.replace(**names)

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import grade  # noqa: E402
 import grading  # noqa: E402
+import common  # noqa: E402
 import make_assignment as ma  # noqa: E402
-import train_heads  # noqa: E402
 import warm  # noqa: E402
 from conftest import train_tiny_run  # noqa: E402
 
@@ -53,7 +53,7 @@ GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)}
 STUBS = {key: n for n in ASSIGNMENTS for key in MAPPING["assignment"][n]["stubs"]}  # "file:function": assignment
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
 ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: not loaded
-           **train_heads.FAST_MALLOC)  # set: train_heads.py starts once, not twice
+           **common.FAST_MALLOC)  # set: train_heads.py starts once, not twice
 
 # Run in the copy handed out for the first assignment, where every assignment is stubbed: every module imports.
 IMPORT_ALL = """

@@ -102,7 +102,7 @@ def test_sample_refuses_flags_that_would_do_nothing():
 
 
 def test_a_users_mistake_is_one_line_and_a_nonzero_exit():
-    env = {**os.environ, **train_heads.FAST_MALLOC}  # set: the command starts once, not twice
+    env = {**os.environ, **common.FAST_MALLOC}  # set: the command starts once, not twice
     result = warm.run(["train_heads.py", "--base", "smollm2", "--preset", "tiny"], ROOT, env)
     assert result.returncode != 0
     assert result.stderr.startswith("error: --preset") and len(result.stderr.strip().splitlines()) == 1

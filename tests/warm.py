@@ -6,7 +6,7 @@ starts commands starts one server first: it imports torch, numpy and ipykernel (
 it starts no thread and computes no tensor), then forks a child per command. The child takes the
 command's working directory, environment, arguments and standard streams, runs it as `python ARGS`
 would (a script, -c CODE or -m MODULE, with sys.path[0] set the same way), and exits with its status.
-Besides the modules already imported, what differs from a new interpreter: train_heads.FAST_MALLOC (the
+Besides the modules already imported, what differs from a new interpreter: common.FAST_MALLOC (the
 server starts with it) and Python's start-up flags. On Linux only (fork, and Unix sockets that keep
 messages apart); elsewhere run() starts a new interpreter, and kernels start as usual.
 
@@ -162,7 +162,7 @@ def server() -> str:
     """This process's server (started on first use, ended when this process ends): its socket's path."""
     global _server
     if _server is None:
-        from train_heads import FAST_MALLOC
+        from common import FAST_MALLOC
         folder = tempfile.mkdtemp(prefix="warm-")
         path = os.path.join(folder, "socket")
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path], stdin=subprocess.PIPE,
