@@ -692,7 +692,7 @@ def breakdown(model, prompt, choices, n_new=128, rounds=9):
           f"spread over the steps; plain decoding's {plain:.2f} ms per token includes its prefill too)")
     print("\nactual: each phase inside real decoding, mean over the steps")
     for name in list(PHASES) + ["heads in decoding"]:
-        label = "  of which the heads" if name == "heads in decoding" else name
+        label = "heads (drafter.commit)" if name == "heads in decoding" else name  # after the four phases
         print(f"  {label:24s} {med[name]:7.3f} ms ({med[name] / plain:.2f}x a plain step)")
     print("\nideal: each part alone on the same cache, warm")
     for name in list(ideal_parts) + ["ideal step"]:
