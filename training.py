@@ -402,14 +402,18 @@ def stage_mtp(args, model, base_metrics, config, tokenizer):
 
 def mtp_step_ratio(args, config, device, repeats=5):
     """How much longer a training step of the base takes with args.mtp MTP modules than without them:
-    steps on a throwaway model and batch, the two alternated, each side's fastest (the least disturbed
-    by other work on the machine). At least 1: the step with modules does all of the plain step's work."""
-    gpt = GPT(config).to(device)
-    model = MTPModel(gpt, args.mtp).to(device)
-    x = torch.zeros(args.batch_size, args.seq_len + 1, dtype=torch.long, device=device)
+    whole steps (forward, backward and AdamW's update, as train_loop takes them) on throwaway models and
+    a random batch, the two alternated, each side's fastest (the least disturbed by other work on the
+    machine). At least 1: the step with modules does all of the plain step's work."""
+    plain = GPT(config).to(device)
+    model = MTPModel(GPT(config), args.mtp).to(device)
+    opts = {False: torch.optim.AdamW(plain.parameters(), lr=args.base_lr),
+            True: torch.optim.AdamW(model.parameters(), lr=args.base_lr)}
+    x = torch.randint(config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
     times = {False: [], True: []}
     for _ in range(repeats + 1):
         for with_modules in (False, True):
+            gpt = model.base if with_modules else plain
             t0 = time.time()
             with autocast(device):
                 h = gpt.hidden(x[:, :-1])
@@ -417,7 +421,8 @@ def mtp_step_ratio(args, config, device, repeats=5):
                 if with_modules:
                     loss = loss + mtp_losses(model, h, x).sum()
             loss.backward()
-            model.zero_grad(set_to_none=True)
+            opts[with_modules].step()
+            opts[with_modules].zero_grad(set_to_none=True)
             sync(device)
             times[with_modules].append(time.time() - t0)
     return max(1.0, min(times[True][1:]) / min(times[False][1:]))  # the first: warm-up
