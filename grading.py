@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import tomllib
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 MAPPING = "assignments.toml"
@@ -234,16 +235,9 @@ def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str,
     if files:  # pytest with no paths would run the whole suite
         # Options of our own, not pytest.ini's addopts, and no plugin that happens to be installed: grading
         # must not depend on them (the graded tests use none), and loading them slows every run.
-        autoload = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-        try:
+        with mock.patch.dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"):  # restored afterwards
             pytest.main(["-o", "addopts=", "-q", "-rN", "-p", "no:cacheprovider", "--continue-on-collection-errors",
                          *pytest_args, *files], plugins=[recorder])
-        finally:
-            if autoload is None:
-                del os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"]
-            else:
-                os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = autoload
     cases = dict(recorder.cases)
     for spec in specs:
         if not any(matches(nodeid, spec) for nodeid in cases) and "-x" not in pytest_args:

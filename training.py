@@ -409,7 +409,7 @@ def mtp_step_ratio(args, config, device, repeats=5):
     model = MTPModel(GPT(config), args.mtp).to(device)
     opts = {False: torch.optim.AdamW(plain.parameters(), lr=args.base_lr),
             True: torch.optim.AdamW(model.parameters(), lr=args.base_lr)}
-    x = torch.randint(config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+    x = torch.randint(config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)  # (B, T + 1)
     times = {False: [], True: []}
     for _ in range(repeats + 1):
         for with_modules in (False, True):

@@ -52,8 +52,8 @@ def graded(n) -> list[str]:
 GRADED_FILES = sorted({t.split("::")[0] for n in ASSIGNMENTS for t in graded(n)})
 STUBS = {key: n for n in ASSIGNMENTS for key in MAPPING["assignment"][n]["stubs"]}  # "file:function": assignment
 PRIVATE = ROOT / ma.PRIVATE_DIR  # an instructor's private tests: put into every copy, as when grading
-ENV = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # the graded tests use no plugins: not loaded
-           **common.FAST_MALLOC)  # set: train_heads.py starts once, not twice
+ENV = dict(os.environ, **common.FAST_MALLOC)  # set: train_heads.py starts once, not twice (grading.run_tests
+                                              # loads no pytest plugin itself)
 
 # Run in the copy handed out for the first assignment, where every assignment is stubbed: every module imports.
 IMPORT_ALL = """
