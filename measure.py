@@ -107,16 +107,16 @@ def distinct_4gram_ratio(tokens):
 
 
 @torch.no_grad()
-def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
-    """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
-    rotates each round).
+def compare(model, prompts, n_new, modes, repeats, threads=(None,), threads_of=None):
+    """Run every mode at every thread count (or at those threads_of[mode] gives) on every prompt
+    `repeats` times, interleaved (the order rotates each round).
 
     modes: {name: (decode, kwargs)}: decode is generate (plain) or a drafter's (medusa_generate,
     eagle_generate), called as decode(model, prompt, n_new[, tree], **kwargs); kwargs may bring the
     mode's own "model" and its "tree". Returns, per (mode, threads): median seconds and new tokens
     per prompt (fewer than n_new where a stop token ended the text), outputs, and the tree decoding
     stats of the last repeat (None for plain decoding)."""
-    keys = [(name, t) for name in modes for t in threads]
+    keys = [(name, t) for name in modes for t in (threads_of or {}).get(name, threads)]
     runs = {key: {"seconds": [], "tokens": [], "outputs": [], "stats": []} for key in keys}
     for p, prompt in enumerate(prompts):
         idx = prompt.view(1, -1)
@@ -145,16 +145,17 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,)):
 
 
 def summarise(runs, name, baseline, threads, n_new=None):
-    """One row: mode `name` at each thread count, and at its best against `baseline` at its best; speeds
-    over the tokens each side actually generated."""
-    speed = {t: sum(runs[name, t]["tokens"]) / sum(runs[name, t]["seconds"]) for t in threads}
-    base_speed = {t: sum(runs[baseline, t]["tokens"]) / sum(runs[baseline, t]["seconds"]) for t in threads}
+    """One row: mode `name` at each thread count it ran at, and at its best against `baseline` at its
+    best; speeds over the tokens each side actually generated."""
+    def speeds(mode):
+        return {t: sum(runs[mode, t]["tokens"]) / sum(runs[mode, t]["seconds"]) for t in threads if (mode, t) in runs}
+    speed, base_speed = speeds(name), speeds(baseline)
     best, base_best = max(speed, key=speed.get), max(base_speed, key=base_speed.get)
     run = runs[name, best]
     tokens = sum(len(o) for o in run["outputs"])
     row = {"tokens_per_s": speed[best], "threads": best, "tokens_per_s_by_threads": speed,
            "speedup": speed[best] / base_speed[base_best],  # best against best
-           "speedup_same_threads": {t: speed[t] / base_speed[t] for t in threads},
+           "speedup_same_threads": {t: speed[t] / base_speed[t] for t in speed if t in base_speed},
            "distinct_4gram": statistics.mean(distinct_4gram_ratio(o) for o in run["outputs"])}
     if run["stats"][0] is not None:
         steps = sum(s.steps for s in run["stats"])
@@ -246,6 +247,32 @@ def modes_per_drafter(extra_trees: int) -> int:
     return 1 + extra_trees + 3
 
 
+def fastest_threads(costs, nodes):
+    """The thread count at which measure_step_costs found a step over `nodes` tree nodes fastest (read at
+    the largest size it timed not above that)."""
+    sizes = sorted(next(iter(costs.values()))["step_ms"])
+    n = max((s for s in sizes if s <= nodes), default=sizes[0])
+    return min(costs, key=lambda t: costs[t]["step_ms"][n])
+
+
+def threads_of(drafted, modes, threads):
+    """The thread counts each report mode runs at. The plain baselines, the peers and each drafter's
+    chosen greedy tree run at every count (the report gives their speed at each); every other mode
+    only at the count its drafter's step costs, measured at every count, found fastest for a tree of
+    its size: each side still at its own best, the other counts left out."""
+    chosen = {f"{d.name} greedy, chosen tree ({tree_label(d.tree)})" for d in drafted}
+    result = {}
+    for name, (_, kwargs) in modes.items():
+        d = next((d for d in drafted if name.startswith(d.name + " ")), None)
+        if d is None or name in chosen or not d.costs:
+            continue
+        tree = kwargs["tree"]
+        best = fastest_threads(d.costs, tree.nodes if isinstance(tree, DynamicTree) else len(tree))
+        if best in threads:
+            result[name] = [best]
+    return result
+
+
 def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
                repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS):
     """The report's measurements, every drafter interleaved with plain decoding on the same prompts, best
@@ -257,26 +284,30 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
     decode_kwargs = decode_kwargs or {}
     modes = {**report_modes(drafted), **(peers or {})}
     modes = {name: (decode, {**kwargs, **decode_kwargs}) for name, (decode, kwargs) in modes.items()}
-    print(f"report: {len(modes)} modes x {len(threads)} thread counts x {len(prompts)} held-out prompts x "
+    fastest = threads_of(drafted, modes, threads)
+    print(f"report: {len(modes)} modes ({len(modes) - len(fastest)} at {len(threads)} thread count"
+          f"{'s' * (len(threads) != 1)}, {len(fastest)} at their fastest) x {len(prompts)} held-out prompts x "
           f"up to {n_new} tokens, interleaved")
     for decode, kwargs in modes.values():  # warm-up: first calls, tree buffers
         kwargs = dict(kwargs)
         m, tree = kwargs.pop("model", first.model), kwargs.pop("tree", None)
         args = (m, prompts[0].view(1, -1), 4) if tree is None else (m, prompts[0].view(1, -1), 4, tree)
         decode(*args, **kwargs)
-    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads)
+    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads,
+                   threads_of=fastest)
     table = {}
     for name in modes:
         baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
         table[name] = summarise(runs, name, baseline, threads)
         table[name]["drafter"] = next((d.name for d in drafted if name.startswith(d.name + " ")), None)
         if name != "plain greedy" and "T=0.7" not in name:
-            same = [a == b for a, b in zip(runs[name, threads[0]]["outputs"], runs["plain greedy", threads[0]]["outputs"])]
+            same = [a == b for a, b in zip(runs[name, table[name]["threads"]]["outputs"],
+                                           runs["plain greedy", threads[0]]["outputs"])]
             table[name]["greedy_identical"] = sum(same) / len(same)
     counts = {d.name: count_ops(d.model, prompts[0].view(1, -1), d.tree, n_new, d.decode, d.drafter) if ops else None
               for d in drafted}
     report = {"drafter": first.name, "drafters": {d.name: summarise_drafter(d, table, counts[d.name]) for d in drafted},
-              "modes": table, "threads": threads, "prompts": len(prompts), "new_tokens": n_new}
+              "modes": table, "threads": threads, "prompts": len(prompts), "new_tokens": n_new, "repeats": repeats}
     chosen_name = f"{first.name} greedy, chosen tree ({tree_label(first.tree)})"
     chosen_row, best_threads = table[chosen_name], table[chosen_name]["threads"]
     report.update(tokens_per_step=chosen_row["tokens_per_step"], speedup=chosen_row["speedup"],
@@ -433,13 +464,14 @@ def format_table(report):
         def f(key, fmt):
             return format(r[key], fmt) if key in r else "-"
         speeds = " | ".join(f"{r['tokens_per_s_by_threads'][t]:.0f}" + ("*" if t == r["threads"] else "")
-                            for t in threads)
+                            if t in r["tokens_per_s_by_threads"] else "-" for t in threads)
         lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {speeds} | "
                      + ("-" if "tokens_per_step" not in r else f"{r['speedup']:.2f}x")
                      + f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
                      + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
-    return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at; speedup = its best tokens/s " \
-        "over its plain baseline's best tokens/s (sampled modes against plain sampling)."
+    return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at (- = not run at that count: " \
+        "slower for that tree in the step costs); speedup = its best tokens/s over its plain baseline's best " \
+        "tokens/s (sampled modes against plain sampling)."
 
 
 def format_drafters(report):
@@ -479,7 +511,8 @@ def write_report(report, out):
     table = format_table(report)
     md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
           f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; times are medians of "
-          "3 interleaved runs, every mode at every thread count.", "", format_drafters(report), "", table, "",
+          f"{report['repeats']} interleaved runs; the plain modes and each drafter's chosen tree at every thread "
+          "count, the other modes at the count their drafter's step costs found fastest for their tree.", "", format_drafters(report), "", table, "",
           format_ops(report["ops"]), "",
           "## Tree size sweep (grown trees, greedy)", "",
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]

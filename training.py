@@ -570,11 +570,13 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
     rounds = args.timing_rounds
     step_costs = (rounds or measure.STEP_COST_REPEATS) * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
     extra_trees = {"medusa": 2, "eagle": 1, "mtp": 1}  # training.choose_trees: medusa grown and dense; dynamic
-    modes = measure.REPORT_PLAIN_MODES + sum(measure.modes_per_drafter(extra_trees[d]) for d in args.drafters)
-    report = args.report_tokens * (args.report_prompts * modes * (rounds or measure.REPORT_REPEATS)
+    n_threads = len(measure.thread_counts(args.device, args.threads))
+    # measure.threads_of: the plain modes and each drafter's chosen tree at every thread count, the rest at one
+    every = measure.REPORT_PLAIN_MODES + len(args.drafters)
+    once = sum(measure.modes_per_drafter(extra_trees[d]) for d in args.drafters) - len(args.drafters)
+    report = args.report_tokens * (args.report_prompts * (every * n_threads + once) * (rounds or measure.REPORT_REPEATS)
                                    + measure.SWEEP_PROMPTS * (len(measure.SWEEP_SIZES) + 2) * (rounds or measure.SWEEP_REPEATS))
-    report_tokens = len(measure.thread_counts(args.device, args.threads)) * (
-        step_costs * len(args.drafters) + report)
+    report_tokens = n_threads * step_costs * len(args.drafters) + report
     return {
         "base": args.base_steps * train_step,
         "distill": distill_tokens * (2 * N + attention) / rate * DECODING_SLOWDOWN,

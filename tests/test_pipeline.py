@@ -11,10 +11,10 @@ import measure
 import train_heads
 import training
 import warm
-from conftest import PERIOD
-from medusa_mini import GPT, GPTConfig
+from conftest import PERIOD, random_medusa
+from medusa_mini import GPT, GPTConfig, MedusaDrafter, medusa_generate
 from verify import KVCache
-from tree import validate_choices
+from tree import dense_tree, validate_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,6 +137,26 @@ def test_head_accuracies_read_the_right_offsets(periodic_model):
     acc = training.measure_head_accuracies(periodic_model, prompts, 20, ranks=3)
     assert len(acc) == 4 and all(len(a) == 3 for a in acc)
     assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
+
+
+def test_report_runs_each_mode_at_its_fastest_thread_count():
+    """run_report times the plain modes and the drafter's chosen tree at every thread count, every other
+    mode only at the count the drafter's step costs found fastest for a tree of its size (read at the
+    largest size timed not above it); the table shows "-" where a mode did not run."""
+    order = dense_tree([2, 2, 1, 1])  # by depth: every prefix is a tree
+    costs = {1: {"plain_step_ms": 1.0, "step_ms": {1: 2.0, 2: 2.2, 4: 3.0}},   # 1 thread: fastest up to 2 nodes,
+             2: {"plain_step_ms": 1.1, "step_ms": {1: 2.5, 2: 2.6, 4: 2.9}}}   # 2 threads: from 4 nodes on
+    d = measure.Drafted("medusa", random_medusa(), medusa_generate, MedusaDrafter, order[:2], order, [[0.5]] * 4,
+                        costs, order[:1], {"grown tree": order[:14]})
+    prompts = [torch.tensor(PERIOD[:6]), torch.tensor(PERIOD[2:8])]
+    report = measure.run_report([d], prompts, 6, [1, 2], ops=False, sweep=False, repeats=1)
+    ran = {name: sorted(row["tokens_per_s_by_threads"]) for name, row in report["modes"].items()}
+    assert ran == {"plain greedy": [1, 2], "plain sampling T=0.7": [1, 2], "medusa greedy, chosen tree (2 nodes)": [1, 2],
+                   "medusa greedy, grown tree (14 nodes)": [2], "medusa typical T=0.7, chosen tree": [1],
+                   "medusa exact T=0.7, chosen tree": [1], "medusa exact T=0.7, sampling tree (1 nodes)": [1]}
+    assert report["speedup_1_thread"] > 0 and report["modes"]["medusa greedy, grown tree (14 nodes)"]["threads"] == 2
+    row = next(line for line in measure.format_table(report).splitlines() if line.startswith("| medusa greedy, grown"))
+    assert row.split(" | ")[2:4] == ["-", f"{report['modes']['medusa greedy, grown tree (14 nodes)']['tokens_per_s']:.0f}*"]
 
 
 def test_sample_prints_text_and_stats(tiny_run):
