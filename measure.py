@@ -107,16 +107,17 @@ def distinct_4gram_ratio(tokens):
 
 
 @torch.no_grad()
-def compare(model, prompts, n_new, modes, repeats, threads=(None,), threads_of=None):
-    """Run every mode at every thread count (or at those threads_of[mode] gives) on every prompt
-    `repeats` times, interleaved (the order rotates each round).
+def compare(model, prompts, n_new, modes, repeats, threads=(None,), pick_threads=()):
+    """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
+    rotates each round). The modes named in pick_threads run at every count on the first prompt only,
+    then at the count that was fastest for them there (their first prompt's runs at it are kept).
 
     modes: {name: (decode, kwargs)}: decode is generate (plain) or a drafter's (medusa_generate,
     eagle_generate), called as decode(model, prompt, n_new[, tree], **kwargs); kwargs may bring the
-    mode's own "model" and its "tree". Returns, per (mode, threads): median seconds and new tokens
-    per prompt (fewer than n_new where a stop token ended the text), outputs, and the tree decoding
-    stats of the last repeat (None for plain decoding)."""
-    keys = [(name, t) for name in modes for t in (threads_of or {}).get(name, threads)]
+    mode's own "model" and its "tree". Returns, per (mode, threads) run on every prompt: median seconds
+    and new tokens per prompt (fewer than n_new where a stop token ended the text), outputs, and the
+    tree decoding stats of the last repeat (None for plain decoding)."""
+    keys = [(name, t) for name in modes for t in threads]
     runs = {key: {"seconds": [], "tokens": [], "outputs": [], "stats": []} for key in keys}
     for p, prompt in enumerate(prompts):
         idx = prompt.view(1, -1)
@@ -141,6 +142,13 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,), threads_of=N
         for key in keys:
             runs[key]["seconds"].append(statistics.median(per_prompt[key]))
             runs[key]["tokens"].append(statistics.median(made[key]))
+        if p == 0:  # the first prompt picked these modes' thread counts: the others are dropped
+            for name in pick_threads:
+                best = max(threads, key=lambda t: runs[name, t]["tokens"][0] / runs[name, t]["seconds"][0])
+                for t in threads:
+                    if t != best:
+                        keys.remove((name, t))
+                        del runs[name, t]
     return runs
 
 
@@ -247,30 +255,14 @@ def modes_per_drafter(extra_trees: int) -> int:
     return 1 + extra_trees + 3
 
 
-def fastest_threads(costs, nodes):
-    """The thread count at which measure_step_costs found a step over `nodes` tree nodes fastest (read at
-    the largest size it timed not above that)."""
-    sizes = sorted(next(iter(costs.values()))["step_ms"])
-    n = max((s for s in sizes if s <= nodes), default=sizes[0])
-    return min(costs, key=lambda t: costs[t]["step_ms"][n])
-
-
-def threads_of(drafted, modes, threads):
-    """The thread counts each report mode runs at. The plain baselines, the peers and each drafter's
-    chosen greedy tree run at every count (the report gives their speed at each); every other mode
-    only at the count its drafter's step costs, measured at every count, found fastest for a tree of
-    its size: each side still at its own best, the other counts left out."""
+def pick_threads(drafted, modes, threads):
+    """The report modes whose thread count compare picks on the first prompt: all but the plain
+    baselines, the peers and each drafter's chosen greedy tree, which run at every count (the report
+    gives their speed at each). Each side still runs at its own best; the rest of the counts are left out."""
+    if len(threads) < 2:
+        return []
     chosen = {f"{d.name} greedy, chosen tree ({tree_label(d.tree)})" for d in drafted}
-    result = {}
-    for name, (_, kwargs) in modes.items():
-        d = next((d for d in drafted if name.startswith(d.name + " ")), None)
-        if d is None or name in chosen or not d.costs:
-            continue
-        tree = kwargs["tree"]
-        best = fastest_threads(d.costs, tree.nodes if isinstance(tree, DynamicTree) else len(tree))
-        if best in threads:
-            result[name] = [best]
-    return result
+    return [name for name in modes if name not in chosen and any(name.startswith(d.name + " ") for d in drafted)]
 
 
 def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
@@ -284,17 +276,16 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
     decode_kwargs = decode_kwargs or {}
     modes = {**report_modes(drafted), **(peers or {})}
     modes = {name: (decode, {**kwargs, **decode_kwargs}) for name, (decode, kwargs) in modes.items()}
-    fastest = threads_of(drafted, modes, threads)
-    print(f"report: {len(modes)} modes ({len(modes) - len(fastest)} at {len(threads)} thread count"
-          f"{'s' * (len(threads) != 1)}, {len(fastest)} at their fastest) x {len(prompts)} held-out prompts x "
-          f"up to {n_new} tokens, interleaved")
+    picked = pick_threads(drafted, modes, threads)
+    print(f"report: {len(modes)} modes x {len(prompts)} held-out prompts x up to {n_new} tokens, interleaved; "
+          f"{len(modes) - len(picked)} at {len(threads)} thread count{'s' * (len(threads) != 1)}"
+          + (f", {len(picked)} at the count fastest for them on the first prompt" if picked else ""))
     for decode, kwargs in modes.values():  # warm-up: first calls, tree buffers
         kwargs = dict(kwargs)
         m, tree = kwargs.pop("model", first.model), kwargs.pop("tree", None)
         args = (m, prompts[0].view(1, -1), 4) if tree is None else (m, prompts[0].view(1, -1), 4, tree)
         decode(*args, **kwargs)
-    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads,
-                   threads_of=fastest)
+    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads, pick_threads=picked)
     table = {}
     for name in modes:
         baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"
@@ -470,7 +461,7 @@ def format_table(report):
                      + f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
                      + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
     return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at (- = not run at that count: " \
-        "slower for that tree in the step costs); speedup = its best tokens/s over its plain baseline's best " \
+        "slower for that mode on the first prompt); speedup = its best tokens/s over its plain baseline's best " \
         "tokens/s (sampled modes against plain sampling)."
 
 
@@ -512,7 +503,7 @@ def write_report(report, out):
     md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
           f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; times are medians of "
           f"{report['repeats']} interleaved runs; the plain modes and each drafter's chosen tree at every thread "
-          "count, the other modes at the count their drafter's step costs found fastest for their tree.", "", format_drafters(report), "", table, "",
+          "count, the other modes at the count fastest for them on the first prompt.", "", format_drafters(report), "", table, "",
           format_ops(report["ops"]), "",
           "## Tree size sweep (grown trees, greedy)", "",
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]

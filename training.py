@@ -571,7 +571,7 @@ def estimate_seconds(config: GPTConfig, args, train_step, decode_step):
     step_costs = (rounds or measure.STEP_COST_REPEATS) * (len(measure.STEP_COST_SIZES) + 1) * measure.STEP_COST_TOKENS
     extra_trees = {"medusa": 2, "eagle": 1, "mtp": 1}  # training.choose_trees: medusa grown and dense; dynamic
     n_threads = len(measure.thread_counts(args.device, args.threads))
-    # measure.threads_of: the plain modes and each drafter's chosen tree at every thread count, the rest at one
+    # measure.pick_threads: the plain modes and each drafter's chosen tree at every thread count, the rest at one
     every = measure.REPORT_PLAIN_MODES + len(args.drafters)
     once = sum(measure.modes_per_drafter(extra_trees[d]) for d in args.drafters) - len(args.drafters)
     report = args.report_tokens * (args.report_prompts * (every * n_threads + once) * (rounds or measure.REPORT_REPEATS)

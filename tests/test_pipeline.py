@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -139,24 +140,42 @@ def test_head_accuracies_read_the_right_offsets(periodic_model):
     assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
 
 
-def test_report_runs_each_mode_at_its_fastest_thread_count():
-    """run_report times the plain modes and the drafter's chosen tree at every thread count, every other
-    mode only at the count the drafter's step costs found fastest for a tree of its size (read at the
-    largest size timed not above it); the table shows "-" where a mode did not run."""
+def test_compare_picks_a_thread_count_on_the_first_prompt(monkeypatch):
+    """A mode in pick_threads runs at every thread count on the first prompt, then only at the one that
+    was fastest for it there, on every prompt; the other modes run at every count throughout."""
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda t: calls.append(t))
+
+    def decode(model, idx, n_new, slow_at):  # as fast as the thread count allows: slow at `slow_at` threads
+        time.sleep(0.02 if calls[-1] == slow_at else 0.001)
+        return torch.cat([idx, torch.zeros(1, n_new, dtype=idx.dtype)], 1)
+
+    modes = {"a": (decode, dict(slow_at=1)), "b": (decode, dict(slow_at=2)), "c": (decode, dict(slow_at=1))}
+    prompts = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
+    runs = measure.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2], pick_threads=["a", "b"])
+    assert sorted(runs) == [("a", 2), ("b", 1), ("c", 1), ("c", 2)]
+    assert all(len(run["seconds"]) == len(run["outputs"]) == 3 for run in runs.values())
+    assert len(calls) == 2 * (3 * 2) + 2 * 2 * 4  # 2 repeats: the first prompt 3 modes x 2 counts, then 2 x 4 keys
+
+
+def test_report_runs_the_other_modes_at_one_thread_count():
+    """run_report: the plain modes and the drafter's chosen tree at every thread count, every other mode
+    at one (compare picks it); the table shows "-" where a mode did not run."""
     order = dense_tree([2, 2, 1, 1])  # by depth: every prefix is a tree
-    costs = {1: {"plain_step_ms": 1.0, "step_ms": {1: 2.0, 2: 2.2, 4: 3.0}},   # 1 thread: fastest up to 2 nodes,
-             2: {"plain_step_ms": 1.1, "step_ms": {1: 2.5, 2: 2.6, 4: 2.9}}}   # 2 threads: from 4 nodes on
     d = measure.Drafted("medusa", random_medusa(), medusa_generate, MedusaDrafter, order[:2], order, [[0.5]] * 4,
-                        costs, order[:1], {"grown tree": order[:14]})
+                        {}, order[:1], {"grown tree": order[:14]})
     prompts = [torch.tensor(PERIOD[:6]), torch.tensor(PERIOD[2:8])]
     report = measure.run_report([d], prompts, 6, [1, 2], ops=False, sweep=False, repeats=1)
     ran = {name: sorted(row["tokens_per_s_by_threads"]) for name, row in report["modes"].items()}
-    assert ran == {"plain greedy": [1, 2], "plain sampling T=0.7": [1, 2], "medusa greedy, chosen tree (2 nodes)": [1, 2],
-                   "medusa greedy, grown tree (14 nodes)": [2], "medusa typical T=0.7, chosen tree": [1],
-                   "medusa exact T=0.7, chosen tree": [1], "medusa exact T=0.7, sampling tree (1 nodes)": [1]}
-    assert report["speedup_1_thread"] > 0 and report["modes"]["medusa greedy, grown tree (14 nodes)"]["threads"] == 2
-    row = next(line for line in measure.format_table(report).splitlines() if line.startswith("| medusa greedy, grown"))
-    assert row.split(" | ")[2:4] == ["-", f"{report['modes']['medusa greedy, grown tree (14 nodes)']['tokens_per_s']:.0f}*"]
+    every = {"plain greedy", "plain sampling T=0.7", "medusa greedy, chosen tree (2 nodes)"}
+    assert set(ran) == every | {"medusa greedy, grown tree (14 nodes)", "medusa typical T=0.7, chosen tree",
+                                "medusa exact T=0.7, chosen tree", "medusa exact T=0.7, sampling tree (1 nodes)"}
+    assert all(ran[name] == [1, 2] if name in every else len(ran[name]) == 1 for name in ran), ran
+    assert report["speedup_1_thread"] > 0 and report["modes"]["medusa greedy, grown tree (14 nodes)"]["greedy_identical"] == 1
+    row = report["modes"]["medusa greedy, grown tree (14 nodes)"]
+    line = next(line for line in measure.format_table(report).splitlines() if line.startswith("| medusa greedy, grown"))
+    assert line.split(" | ")[2:4] == (["-", f"{row['tokens_per_s']:.0f}*"] if row["threads"] == 2
+                                      else [f"{row['tokens_per_s']:.0f}*", "-"])
 
 
 def test_sample_prints_text_and_stats(tiny_run):
