@@ -35,7 +35,7 @@ DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report com
 # check that no stage generates past the trained positions read them too.
 STEP_COST_PROMPT, STEP_COST_TOKENS, STEP_COST_REPEATS = 64, 48, 3  # measure_step_costs: prompt, new tokens, rounds
 STEP_COST_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # tree sizes timed (nodes)
-REPORT_PROMPT, REPORT_REPEATS = 32, 3                                # run_report: held-out prompt tokens, rounds
+REPORT_PROMPT, REPORT_REPEATS = 32, 2                                # run_report: held-out prompt tokens, rounds
 SWEEP_PROMPTS, SWEEP_REPEATS, SWEEP_SIZES = 5, 2, (1, 2, 4, 8, 16, 32, 64)  # its tree-size sweep
 
 
