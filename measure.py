@@ -107,9 +107,9 @@ def distinct_4gram_ratio(tokens):
 
 
 @torch.no_grad()
-def compare(model, prompts, n_new, modes, repeats, threads=(None,), pick_threads=()):
+def compare(model, prompts, n_new, modes, repeats, threads=(None,), picked=()):
     """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
-    rotates each round). The modes named in pick_threads run at every count on the first prompt only,
+    rotates each round). The modes named in `picked` run at every count on the first prompt only,
     then at the count that was fastest for them there (their first prompt's runs at it are kept).
 
     modes: {name: (decode, kwargs)}: decode is generate (plain) or a drafter's (medusa_generate,
@@ -143,7 +143,7 @@ def compare(model, prompts, n_new, modes, repeats, threads=(None,), pick_threads
             runs[key]["seconds"].append(statistics.median(per_prompt[key]))
             runs[key]["tokens"].append(statistics.median(made[key]))
         if p == 0:  # the first prompt picked these modes' thread counts: the others are dropped
-            for name in pick_threads:
+            for name in picked:
                 best = max(threads, key=lambda t: runs[name, t]["tokens"][0] / runs[name, t]["seconds"][0])
                 for t in threads:
                     if t != best:
@@ -285,7 +285,7 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
         m, tree = kwargs.pop("model", first.model), kwargs.pop("tree", None)
         args = (m, prompts[0].view(1, -1), 4) if tree is None else (m, prompts[0].view(1, -1), 4, tree)
         decode(*args, **kwargs)
-    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads, pick_threads=picked)
+    runs = compare(first.model, prompts, n_new, modes, repeats=repeats, threads=threads, picked=picked)
     table = {}
     for name in modes:
         baseline = "plain sampling T=0.7" if "T=0.7" in name else "plain greedy"

@@ -141,7 +141,7 @@ def test_head_accuracies_read_the_right_offsets(periodic_model):
 
 
 def test_compare_picks_a_thread_count_on_the_first_prompt(monkeypatch):
-    """A mode in pick_threads runs at every thread count on the first prompt, then only at the one that
+    """A mode in `picked` runs at every thread count on the first prompt, then only at the one that
     was fastest for it there, on every prompt; the other modes run at every count throughout."""
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", lambda t: calls.append(t))
@@ -152,7 +152,7 @@ def test_compare_picks_a_thread_count_on_the_first_prompt(monkeypatch):
 
     modes = {"a": (decode, dict(slow_at=1)), "b": (decode, dict(slow_at=2)), "c": (decode, dict(slow_at=1))}
     prompts = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
-    runs = measure.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2], pick_threads=["a", "b"])
+    runs = measure.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2], picked=["a", "b"])
     assert sorted(runs) == [("a", 2), ("b", 1), ("c", 1), ("c", 2)]
     assert all(len(run["seconds"]) == len(run["outputs"]) == 3 for run in runs.values())
     assert len(calls) == 2 * (3 * 2) + 2 * 2 * 4  # 2 repeats: the first prompt 3 modes x 2 counts, then 2 x 4 keys
