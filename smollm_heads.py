@@ -93,7 +93,7 @@ def passage_prompt(enc, task, text, length):
     return None
 
 
-def instruction_prompts(enc, seed=0, shakespeare=384, general=640, held_out=12, passage_length=72):
+def instruction_prompts(enc, seed=0, shakespeare=768, general=1280, held_out=12, passage_length=72):
     """(training prompts, held-out prompts). Held out: the three plays data.split_plays holds out for
     the tiny GPT (seed 0), and topics no training prompt mentions. Passage prompts all have
     passage_length tokens; the questions take a few lengths."""
@@ -110,10 +110,11 @@ def instruction_prompts(enc, seed=0, shakespeare=384, general=640, held_out=12, 
             prompts += [prompt] if prompt else []
         return prompts
 
-    questions = [q.format(topic=t) for t in TOPICS for q in QUESTIONS]
-    train = shakespeare_prompts(train_plays, shakespeare) + rng.sample(questions, general)
+    # The held-out prompts first, so that they do not depend on how many training prompts are drawn.
     held = shakespeare_prompts(val_plays, held_out) + [rng.choice(QUESTIONS).format(topic=t)
                                                        for t in HELD_OUT_TOPICS * (held_out // len(HELD_OUT_TOPICS))]
+    questions = [q.format(topic=t) for t in TOPICS for q in QUESTIONS]
+    train = shakespeare_prompts(train_plays, shakespeare) + rng.sample(questions, general)
     return train, held
 
 
@@ -202,7 +203,7 @@ def train_heads(model: MedusaModel, h, y, steps=400, lr=3e-3, batch=8, seed=0, s
 
 
 EAGLE_DEPTH = 6  # how deep EAGLE's trees may grow, and its accuracies are read
-EAGLE_STEPS, EAGLE_LR = 1600, 1e-3  # at the heads' 3e-3 the Llama draft layer stalls (docs/results.md)
+EAGLE_STEPS, EAGLE_LR = 3200, 1e-3  # at the heads' 3e-3 the Llama draft layer stalls; steps and text: docs/results.md
 
 
 def train_eagle(model: EagleModel, h, y, vocab, steps=EAGLE_STEPS, lr=EAGLE_LR, batch=8, seed=0, save=None, resume_from=None):
