@@ -216,6 +216,19 @@ def test_passage_prompts_have_the_asked_length(smol):
         assert prompt is None or len(smollm.chat_tokens(enc, prompt)) == 80
 
 
+def test_held_out_prompts_do_not_depend_on_the_training_prompts(smol):
+    """The held-out prompts are drawn first: more or fewer training prompts leave them unchanged (the
+    trees are grown from their answers and the report decodes them), and none of them is a training prompt."""
+    import smollm_heads
+    _, enc, _ = smol
+    train_a, held_a = smollm_heads.instruction_prompts(enc, shakespeare=6, general=10, held_out=6)
+    train_b, held_b = smollm_heads.instruction_prompts(enc, shakespeare=12, general=4, held_out=6)
+    assert held_a == held_b and len(held_a) == 12 and len(train_a) == 16 and len(train_b) == 16
+    assert not set(held_a) & (set(train_a) | set(train_b))
+    assert any(topic in p for p in held_a for topic in smollm_heads.HELD_OUT_TOPICS)
+    assert smollm_heads.instruction_prompts(enc, seed=1, shakespeare=6, general=10, held_out=6)[1] != held_a
+
+
 def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
     """common.load_model rebuilds what run() saves: the heads and the drafting vocabulary. Heads of
     another model, a drafter of another kind or for another base, a file of the layout before
