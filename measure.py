@@ -502,8 +502,9 @@ def write_report(report, out):
     table = format_table(report)
     md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
           f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; each time is the median of "
-          f"{report['repeats']} interleaved runs (of two, their mean); the plain modes and each drafter's chosen "
-          "tree run at every thread count, the other modes at the count fastest for them on the first prompt.", "",
+          f"{report['repeats']} interleaved runs{' (of two, their mean)' * (report['repeats'] == 2)}; the plain "
+          "modes and each drafter's chosen tree run at every thread count, the other modes at the count fastest "
+          "for them on the first prompt.", "",
           format_drafters(report), "", table, "", format_ops(report["ops"]), "",
           "## Tree size sweep (grown trees, greedy)", "",
           "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
