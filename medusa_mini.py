@@ -185,10 +185,7 @@ class MedusaModel(nn.Module):
         self.base = base
         self.share_lm_head = share_lm_head
         self.heads = nn.ModuleList([MedusaHead(base, share_lm_head) for _ in range(num_heads)])
-        # Decoding may draft more cheaply (HeadStack): in another dtype (e.g. bfloat16), and over a
-        # subset of the vocabulary (token ids, e.g. those the heads were trained on). Drafts are only
-        # proposals: verification by the base keeps the output exact whatever they are. None: as the base.
-        self.draft_dtype = None
+        self.draft_dtype = None  # cheaper drafting (verify.Drafter): another dtype, a subset of the vocabulary
         self.draft_vocab = None
 
     def head_logits(self, h, num_heads: int | None = None):
@@ -308,12 +305,12 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"the tree asks for rank {self.full.topk - 1} but the vocabulary has "
                              f"{model.base.config.vocab_size} tokens")
         self.model, self.nodes = model, len(self.full.node_paths)
-        self.head_logits = None  # (D, V): the heads' logits at the last committed position
-        self.depth = None        # the depth of the tree proposed last
+        self.stack = HeadStack(model)  # the heads' weights, stacked once for the whole generation
+        self.head_logits = None        # (D, V): the heads' logits at the last committed position
+        self.depth = self.full.depth   # how many heads the next tree reads
 
     def start(self, state, h):
-        self.stack = HeadStack(self.model)  # the heads' weights, stacked once for the whole generation
-        self.head_logits = self.model.head_logits(h[-1])                # (C,) -> (K, V)
+        self.head_logits = self.stack(h[-1], self.depth)                # (C,) -> (D, V)
 
     def propose(self, state, root, depth):
         buffers = self.trees[min(depth, self.full.depth)]

@@ -1,15 +1,15 @@
 """Multi-token prediction (MTP) as DeepSeek-V3 trains it (arXiv 2412.19437, section 2.2), used as a drafter.
 
-Medusa adds heads to a finished model and EAGLE a draft layer; MTP changes pretraining. Beside the
+Medusa adds heads to a finished model; MTP changes pretraining. Beside the
 main model, D sequential modules learn to predict further ahead while the model learns the next
 token. Module k, at position i, reads module k-1's hidden state there (the main model's, h^0, for
 k = 1) and the embedding of the token k ahead, and predicts the token k + 1 ahead:
     h'_i = M_k [norm(Emb(t_{i+k})); norm(h^{k-1}_i)],   h^k_i = TRM_k(h'_{<=i}),   p = OutHead(norm(h^k_i)).
 The embedding and output head are the main model's own; the loss is the main loss plus lambda / D
-times the modules' cross-entropies. After training, serving engines draft with the modules through
-their EAGLE code path, and so does this project: an MTPModel decodes with eagle.eagle_generate, its
-modules the layers of eagle.FeatureDrafter, module k drafting depth k and the last module again
-deeper (vLLM reuses its module for extra steps). docs/medusa.md, section 8.
+times the modules' cross-entropies. After training, the modules are a drafter: each reads a hidden
+state and a token and predicts the next hidden state, as a feature drafter's layers do, so they draft
+a tree depth by depth through feature_drafter.FeatureDrafter, module k drafting depth k and the last
+module again deeper (vLLM reuses its module for extra steps). docs/medusa.md, section 8.
 
 Shapes: B batch, T positions, C width, V vocabulary, D modules.
 """
@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from verify import KVCache
+from feature_drafter import FeatureDrafter
+from verify import KVCache, check_request, speculative_generate
 
 
 class MTPModule(nn.Module):
@@ -25,10 +26,9 @@ class MTPModule(nn.Module):
     base's own kind (with its input norm), and a final norm before the base's output head.
 
     The norms and the block are the base's kinds (a GPT's LayerNorm where DeepSeek-V3 has RMSNorm).
-    The concatenation puts the embedding first, as vLLM's DeepSeek MTP (`enorm`, `hnorm`, `eh_proj`)
-    and as EAGLE's fc do (the paper writes [h; emb]: the same model up to the order of M's columns),
-    so an MTP module and an EAGLE layer read alike. Positions: as EAGLE's layer, the block at the
-    feature's position i, the token's embedding at its own, i + k."""
+    The concatenation puts the embedding first, as vLLM's DeepSeek MTP does (`enorm`, `hnorm`,
+    `eh_proj`; the paper writes [h; emb]: the same model up to the order of M's columns). Positions:
+    the block sits at the feature's position i, the token's embedding at its own, i + k."""
 
     def __init__(self, base, k: int):
         super().__init__()
@@ -60,12 +60,12 @@ class MTPModel(nn.Module):
             raise ValueError(f"MTP needs at least one module, got depth {depth}")
         self.base = base
         self.mtp = nn.ModuleList([MTPModule(base, k) for k in range(1, depth + 1)])
-        self.draft_dtype = None  # as MedusaModel's: cheaper drafting, verification keeps the output exact
+        self.draft_dtype = None  # cheaper drafting (verify.Drafter): another dtype, a subset of the vocabulary
         self.draft_vocab = None
 
     @property
     def layers(self):
-        """The draft layers, in the order depths use them (eagle.FeatureDrafter): module k drafts depth k."""
+        """The draft layers, in the order depths use them (feature_drafter.FeatureDrafter): module k drafts depth k."""
         return list(self.mtp)
 
 
@@ -92,3 +92,15 @@ def mtp_weight(step: int, steps: int, weight: float | None = None) -> float:
     if weight is not None:
         return weight
     return 0.3 if step < 2 * steps / 3 else 0.1
+
+
+@torch.no_grad()
+def mtp_generate(model: MTPModel, idx, max_new_tokens: int, tree, temperature: float = 0.0, sampling: str = "typical",
+                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, stop_tokens=None, stream=None):
+    """Decoding with the MTP modules as the drafter: (1, S) -> ((1, S + n), DecodeStats), as
+    medusa_mini.medusa_generate; the tree (rank paths, or a feature_drafter.DynamicTree) drafted depth by
+    depth, module k at depth k and the last module below that."""
+    check_request(model.base, idx, max_new_tokens, temperature, sampling)
+    drafter = FeatureDrafter(model, tree, idx.device)
+    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
+                                posterior_threshold, posterior_alpha, stop_tokens, stream)

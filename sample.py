@@ -7,24 +7,19 @@
 import codecs
 import os
 import sys
-import time
 
 import torch
 
-import grading
-from common import GENERATE, ArgumentParser, load_model, load_tokenizer, pick_device, sync
-from eagle import as_tree
-from measure import tree_label
+from lab import checkpoints, cli, drafters, stubs, timing
+from lab.cli import RunError, UsageError
+from lab.devices import draft_cheaply, pick_device
+from lab.trees import tree_label, trees_of
 from medusa_mini import generate
 from verify import SAMPLING
 
 # Depth 0 (the base model's own token) plain; depth k in its own colour.
 COLOURS = ["", "\033[32m", "\033[34m", "\033[35m", "\033[33m", "\033[36m", "\033[31m"]
 RESET = "\033[0m"
-
-
-class UsageError(Exception):
-    """A mistake on the command line: printed as one line, `error: ...`."""
 
 
 class Printer:
@@ -47,59 +42,47 @@ class Printer:
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", choices=["gpt", "smollm2"],
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", choices=["gpt", "smollm2"], default="gpt",
                    help="gpt (default): the Shakespeare GPT in OUT/; smollm2: SmolLM2-135M-Instruct, drafters in OUT/smollm2/")
-    p.add_argument("--prompt", help="with the GPT: text to continue (default: ROMEO:)")
-    p.add_argument("--chat", help="with --base smollm2: the user's message (default: Write a poem about the sea.)")
-    p.add_argument("--drafter", choices=sorted(GENERATE), default="medusa", help="which trained drafter drafts")
-    p.add_argument("--out", default="out", help="folder train_heads.py wrote")
-    p.add_argument("--tokens", type=int, default=200,
+    p.add_argument("--prompt", type=cli.text, help="with the GPT: text to continue (default: ROMEO:)")
+    p.add_argument("--chat", type=cli.text, help="with --base smollm2: the user's message (default: Write a poem about the sea.)")
+    p.add_argument("--drafter", choices=drafters.names(), default="medusa", help="which trained drafter drafts")
+    p.add_argument("--out", type=cli.text, default="out", help="folder train_heads.py wrote")
+    p.add_argument("--tokens", type=cli.integer(1, 100_000), default=200,
                    help="new tokens at most (cut to what fits in the context; a chat answer ends at its end)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--temperature", type=cli.number(0, 100), default=0.0, help="0 = greedy; > 0 samples")
     p.add_argument("--sampling", choices=SAMPLING,
                    help="with --temperature > 0: typical (the paper's acceptance, sampled root; the default), "
                         "typical-fast (argmax root, deterministic) or exact (the model's own distribution)")
     p.add_argument("--compare", action="store_true", help="also time plain decoding, and print both speeds")
-    p.add_argument("--device", help="cuda, mps or cpu; default: the first available in that order")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    p.add_argument("--device", type=cli.text, help="cuda, mps or cpu; default: the first available in that order")
+    p.add_argument("--seed", type=cli.integer(0, 2**31 - 1), default=0, help="seed for sampling")
     args = p.parse_args(argv)
-    args.base = args.base or "gpt"
     if args.base == "gpt" and args.chat is not None:
         raise UsageError("--chat talks to SmolLM2: add --base smollm2 (the GPT continues a --prompt)")
     if args.base == "smollm2" and args.prompt is not None:
         raise UsageError("--prompt continues the GPT's text: SmolLM2 takes a --chat message")
     if args.sampling is not None and args.temperature == 0:
         raise UsageError("--sampling chooses how to sample: give a --temperature above 0 with it")
-    if args.tokens < 1:
-        raise UsageError(f"--tokens {args.tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise UsageError(f"--temperature {args.temperature}: must be at least 0")
     args.sampling = args.sampling or "typical"
-    try:
-        args.device = pick_device(args.device)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    args.device = pick_device(args.device)
     return args
-
-
-def timed(fn, device):
-    torch.manual_seed(0)
-    sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - t0
 
 
 def main(argv=None):
     args = parse_args(argv)
-    grading.require(["1", "2", "3", "4"] + (["6"] if args.drafter != "medusa" else []), "sample.py")
+    kind = drafters.get(args.drafter)
+    stubs.require_written("sample.py", drafters.drafter_modules(kind) | ({"smollm"} if args.base == "smollm2" else set()))
     folder = os.path.join(args.out, "smollm2") if args.base == "smollm2" else args.out
-    model, ckpt = load_model(os.path.join(folder, f"{args.drafter}.pt"), args.device, args.drafter, args.base)
-    if "tree" not in ckpt:
-        raise ValueError(f"{folder}/{args.drafter}.pt has no tree yet: run train_heads.py to the end first")
-    enc = load_tokenizer(ckpt["tokenizer"])
+    path = os.path.join(folder, f"{args.drafter}.pt")
+    model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
+    draft_cheaply(model, args.device)
+    try:
+        trees = trees_of(ckpt)
+    except KeyError:
+        raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
+    enc = checkpoints.load_tokenizer(path, ckpt)
     if args.base == "smollm2":
         import smollm
         message = args.chat or "Write a poem about the sea."
@@ -107,25 +90,24 @@ def main(argv=None):
     else:
         message = args.prompt or "ROMEO:"
         prompt, stops = enc.encode_ordinary(message), None
+        if not prompt:
+            raise UsageError(f"--prompt {message!r}: no tokens")
     idx = torch.tensor([prompt], device=args.device)
     room = model.base.config.block_size - idx.size(1)
     if room < 1:
-        raise ValueError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
+        raise UsageError(f"the prompt is {idx.size(1)} tokens; the model's context is {model.base.config.block_size}")
     n = min(args.tokens, room)
     exact = args.temperature > 0 and args.sampling == "exact"  # the tree grown for sampling, where there is one
-    tree = as_tree(ckpt["sampling_tree" if exact and ckpt.get("sampling_tree") else "tree"])
-    drafted = GENERATE[args.drafter]
+    tree = trees.sampling_tree if exact and trees.sampling_tree is not None else trees.tree
 
     def run(stream=None):
-        return drafted(model, idx, n, tree, args.temperature, args.sampling, stop_tokens=stops, stream=stream)
+        return kind.generate(model, idx, n, tree, args.temperature, args.sampling, stop_tokens=stops, stream=stream)
 
     colour = sys.stdout.isatty()
     print(f"user: {message}\nassistant: " if args.base == "smollm2" else message, end="", flush=True)
     printer = Printer(enc, colour, stops or ())
     torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    out, stats = run(printer)
-    seconds = time.perf_counter() - t0
+    seconds, (out, stats) = timing.timed(lambda: run(printer), args.device)
     new = out.size(1) - idx.size(1)
     print()
     if colour:
@@ -135,8 +117,10 @@ def main(argv=None):
           f"tree: {tree_label(tree)}), {new / seconds:.0f} tokens/s as printed")
     if args.compare:  # both timed without printing, after a warm-up, the same seed for each
         run(), generate(model, idx, min(n, 4), args.temperature)
-        (drafted_out, _), drafted_s = timed(run, args.device)
-        plain, plain_s = timed(lambda: generate(model, idx, n, args.temperature, stop_tokens=stops), args.device)
+        torch.manual_seed(args.seed)
+        drafted_s, (drafted_out, _) = timing.timed(run, args.device)
+        torch.manual_seed(args.seed)
+        plain_s, plain = timing.timed(lambda: generate(model, idx, n, args.temperature, stop_tokens=stops), args.device)
         d_new, p_new = drafted_out.size(1) - idx.size(1), plain.size(1) - idx.size(1)
         same = " (identical output)" if args.temperature == 0 and torch.equal(plain, drafted_out) else ""
         print(f"timed again without printing: {args.drafter} {d_new} tokens, {d_new / drafted_s:.0f} tokens/s; "
@@ -145,7 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (UsageError, ValueError) as e:  # flags, a missing or foreign checkpoint, a prompt too long: one line
-        sys.exit(f"error: {e}")
+    sys.exit(cli.finish(main))

@@ -7,7 +7,7 @@ it is the base model's own next token. Conventions: docs/medusa.md section 2.
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,32 +31,6 @@ class TreeBuffers:
     topk: int                       # largest rank + 1 = how many guesses per head the tree needs
     rows: list[list[int]]           # retrieve_indices without padding, on the host (no device read)
     row_of: list[int]               # row_of[n] = the first row whose path passes through node n
-    _positions: dict = field(default_factory=dict, repr=False, compare=False)  # positions(): block_size -> table
-
-    # Derived from the fields above once, so that a decoding step only indexes (no op recomputes them).
-    @functools.cached_property
-    def candidate_index(self) -> torch.Tensor:
-        """(P, L): where each path slot's token sits in [root, head 1 top-k, ..., head D top-k, -1]
-        (generate_candidates' flat vector): token_index along the rows, and the final -1 for padding."""
-        return torch.where(self.padding, 1 + self.depth * self.topk, self.token_index[self.gather_index])
-
-    @functools.cached_property
-    def read_index(self) -> torch.Tensor:
-        """(N + P*L,): token_index, then candidate_index row by row, so that one gather reads both."""
-        return torch.cat([self.token_index, self.candidate_index.flatten()])
-
-    @functools.cached_property
-    def pad_token(self) -> torch.Tensor:
-        """(1,) the -1 that padded candidate slots read."""
-        return torch.full((1,), -1, dtype=torch.long, device=self.token_index.device)
-
-    def positions(self, block_size: int) -> torch.Tensor:
-        """(block_size, N): row S holds S + depth, the nodes' position ids after S committed tokens.
-        Made on first use and kept, so a decoding step takes a row (a view) instead of adding S."""
-        if block_size not in self._positions:
-            S = torch.arange(block_size, device=self.position_ids.device)
-            self._positions[block_size] = S[:, None] + self.position_ids  # (block_size, 1) + (N,) -> (block_size, N)
-        return self._positions[block_size]
 
     def to(self, device):
         """A copy with every tensor on `device` (built once, before decoding)."""
@@ -175,11 +149,9 @@ def generate_candidates(base_logits, head_logits, buffers: TreeBuffers, root=Non
     if root is None:
         root = base_logits.argmax(-1)
     guesses = head_logits[:buffers.depth].topk(buffers.topk, dim=-1).indices  # (K, V) -> (D, topk)
-    flat = torch.cat([root.view(1), guesses.flatten(), buffers.pad_token])   # (1 + D*topk + 1,): the last is -1
-    tokens = flat[buffers.read_index]                                         # (N + P*L,): nodes and paths, one gather
-    N = len(buffers.node_paths)
-    tree_tokens = tokens[:N]                                                  # (N,): flat[token_index]
-    candidates = tokens[N:].view(buffers.retrieve_indices.shape)              # (P*L,) -> (P, L), padding -1
+    flat = torch.cat([root.view(1), guesses.flatten()])                       # (1 + D*topk,): root, head 1's, ...
+    tree_tokens = flat[buffers.token_index]                                   # (N,)
+    candidates = gather_paths(tree_tokens, buffers).masked_fill(buffers.padding, -1)  # (P, L), padding -1
     return tree_tokens, candidates
 
 

@@ -14,6 +14,7 @@ Shapes: S committed tokens, T new tokens, C width, V vocabulary, N tree nodes (r
 P root-to-leaf paths, L = tree depth + 1.
 """
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +145,12 @@ class Drafter:
     state between the calls (Medusa: its heads' logits at the last accepted node; EAGLE and MTP:
     their layers' own KV caches). The tree may change from step to step (EAGLE-2 ranks its nodes
     by confidence every step); the verifier only needs each step's buffers.
-    `nodes`: the most nodes, root included, a proposed tree can have (the base cache's room)."""
+    `nodes`: the most nodes, root included, a proposed tree can have (the base cache's room).
+
+    Drafts are only proposals: whatever tokens a drafter proposes, verification by the base keeps the
+    output exact. So a drafter is free to draft cheaply, and the models carry two settings for it:
+    `draft_dtype` (draft in another dtype, e.g. bfloat16 weights read half the bytes) and `draft_vocab`
+    (token ids to draft over, e.g. those the drafter was trained on); None: as the base."""
     nodes: int = 1
 
     def start(self, state: "DecodeState", h):
@@ -212,13 +218,21 @@ def tree_decoding(base, tree_tokens, buffers: TreeBuffers, cache: KVCache):
     if S + buffers.depth >= block:
         raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: "
                          f"cut the tree")
-    position_ids = buffers.positions(block)[S]                              # (N,): S + depth, a row of a table
+    position_ids = S + buffers.position_ids                                 # (N,): each node at S + its depth
     h = base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
     return h, base.lm_head(h)
 
 
+class Accepted(NamedTuple):
+    """What step 3 decided: the best candidate row, how many of its drafts after the root are accepted,
+    and whether its accepted run ends with a stop token (always False without stop tokens)."""
+    best: int
+    accept: int
+    stopped: bool
+
+
 def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_threshold: float = 0.09,
-                       posterior_alpha: float = 0.3, path_lengths=None, stop_tokens=None):
+                       posterior_alpha: float = 0.3, path_lengths=None, stop_tokens=None) -> Accepted:
     """Step 3: the best candidate row and how many of its tokens after the root are accepted.
 
     logits (P, L, V): logits[r, j] predicts token j+1 of row r. candidates (P, L), padded with -1.
@@ -228,14 +242,13 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
     Greedy (temperature 0): accept while the token is the argmax; best = first longest row.
     Typical: with p = softmax(logits / temperature) and H its entropy (natural log, 0 log 0 = 0),
     accept while p(token) > min(posterior_threshold, posterior_alpha * exp(-H)) (the paper's epsilon
-    and alpha), strictly; among the longest rows the
-    best has the largest sum of log p over its accepted tokens only (ties: the first such row).
+    and alpha), strictly; among the longest rows the best has the largest sum of log p over its
+    accepted tokens only (ties: the first such row).
     A row's accept length is its leading run of accepted drafts: nothing after a rejection counts.
-    Nothing accepted anywhere: (0, 0) in both modes.
+    Nothing accepted anywhere: best 0, accept 0, in both modes.
     stop_tokens (k,): a row also ends after its first stop token (the stop itself can be accepted;
-    the root counts too). Then a third value says whether the best row's accepted run ends with a
-    stop token: (best_row, accept_length, stopped).
-    Returns (best_row, accept_length) Python ints: the step's only read from the device."""
+    the root counts too); `stopped` says whether the best row's accepted run ends with one.
+    Returns Accepted(best, accept, stopped), Python values: the step's one read from the device."""
     P, L = candidates.shape
     if logits.shape[:2] != (P, L):
         raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")
@@ -250,10 +263,10 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
         threshold = torch.clamp(posterior_alpha * torch.exp(neg_entropy), max=posterior_threshold)
         index = drafts.clamp(min=0).unsqueeze(-1)                             # (P, L-1, 1): padding reads token 0
         ok = p.gather(-1, index).squeeze(-1) > threshold                      # (P, L-1), strict as in the paper
-        logp_draft = logp.gather(-1, index).squeeze(-1)                       # (P, L-1)
         ok = ok & (drafts >= 0)
     if path_lengths is not None:  # rows may end before their padding does
         ok = ok & (torch.arange(1, L, device=ok.device) < path_lengths[:, None])  # (P, L-1): slot j+1 is real
+    first_stop = None
     if stop_tokens is not None:  # nothing after a row's first stop token: its index, L if none
         is_stop = torch.isin(candidates, stop_tokens)                         # (P, L)
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), L)  # (P,)
@@ -261,23 +274,21 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
     # A row's accept length is the position of its first rejection.
     ok = F.pad(ok, (0, 1), value=False)                                       # (P, L-1) -> (P, L): one always comes
     lengths = ok.float().argmin(1)                                            # (P,): argmin gives the first False
+    # The step's one read from the device: every row's length (greedy: the first longest row is found on
+    # the host), or the best row and its length (typical); and where a stop token ends the rows.
     if temperature == 0:
-        read = lengths if stop_tokens is None else torch.stack([lengths, first_stop])  # (P,) or (2, P)
-        read = read.tolist()                                                  # the step's one read from the device
-        lengths, stops = (read, None) if stop_tokens is None else read
+        read = lengths if first_stop is None else torch.stack([lengths, first_stop])  # (P,) or (2, P)
+        lengths, stops = (read.tolist(), None) if first_stop is None else read.tolist()
         accept = max(lengths)
         best = lengths.index(accept)                                          # the first longest row
-    else:
-        accepted = torch.arange(L - 1, device=ok.device) < lengths[:, None]  # (P, L-1)
-        score = (logp_draft * accepted).sum(1)                                # (P,)
-        accept = lengths.max()
-        best = score.masked_fill(lengths < accept, float("-inf")).argmax()   # ties: the first row
-        read = [best, accept] if stop_tokens is None else [best, accept, first_stop[best.view(1)][0]]  # no int index: a read
-        best, accept, *stops = torch.stack(read).tolist()                    # the step's one read from the device
-        stops = {best: stops[0]} if stops else None
-    if stop_tokens is None:
-        return best, accept
-    return best, accept, stops[best] == accept
+        return Accepted(best, accept, stops is not None and stops[best] == accept)
+    accepted = torch.arange(L - 1, device=ok.device) < lengths[:, None]      # (P, L-1)
+    score = (logp.gather(-1, index).squeeze(-1) * accepted).sum(1)            # (P,): log p of the accepted drafts
+    score = score.masked_fill(lengths < lengths.max(), float("-inf"))         # only the longest rows compete
+    best = score.argmax().view(1)                                             # (1,); ties: the first such row
+    read = [best, lengths[best]] + ([] if first_stop is None else [first_stop[best]])
+    best, accept, *stop = torch.cat(read).tolist()
+    return Accepted(best, accept, bool(stop) and stop[0] == accept)
 
 
 def sample_tree_walk(logits, tree_tokens, buffers: TreeBuffers, temperature: float):
@@ -354,10 +365,9 @@ def verify_step(base, drafter: Drafter, state: DecodeState, depth: int, temperat
                 walked, stopped = walked[:hits.index(True) + 1], True
         best, accept = buffers.row_of[walked[-1]], len(walked) - 1  # a row whose prefix is the walk
     else:
-        best, accept, *stop = evaluate_posterior(gather_paths(logits, buffers), draft.candidates, temperature,
-                                                 posterior_threshold, posterior_alpha,
-                                                 stop_tokens=stop_tokens)  # padding (-1) ends each row
-        stopped = bool(stop and stop[0])
+        best, accept, stopped = evaluate_posterior(gather_paths(logits, buffers), draft.candidates, temperature,
+                                                   posterior_threshold, posterior_alpha,
+                                                   stop_tokens=stop_tokens)  # padding (-1) ends each row
     update_inputs(state, buffers, best, accept, draft.candidates, logits)              # 4
     kept = buffers.rows[best][:accept + 1]
     drafter.commit(state, kept, h)

@@ -22,13 +22,13 @@ import numpy as np  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-import grading  # noqa: E402
-import training  # noqa: E402
-from common import build_base, load_checkpoint, load_tokenizer, pick_device, prepare_data, run_args  # noqa: E402
+from lab import checkpoints, gpt_pipeline, stubs  # noqa: E402
+from lab.devices import pick_device  # noqa: E402
+from lab.trees import trees_of  # noqa: E402
 
 torch.set_num_threads(1)  # the course runs on small shared machines: one thread is steadier
 plt.rcParams.update({"figure.dpi": 100, "font.size": 11})
-FAST = training.fast_mode()  # CI=true or MEDUSA_FAST=1: tiny sizes, so every notebook runs in CI
+FAST = gpt_pipeline.fast_mode()  # CI=true or MEDUSA_FAST=1: tiny sizes, so every notebook runs in CI
 device = pick_device()
 
 
@@ -36,63 +36,67 @@ def load():
     """(model, tokenizer, checkpoint, run settings, training ids, held-out ids), and a line about each.
 
     The model is the one `python train_heads.py` wrote to out/medusa.pt; in fast mode, or before that
-    run has finished, the tiny preset, trained once (seconds on a CPU) and kept in out/tiny/.
+    run has finished, the tiny preset, trained once (a minute or two on a CPU) and kept in out/tiny/.
     The held-out ids are the plays train_heads.py evaluated on, read back from its token cache.
     In a student copy, see _trained."""
     print(f"python {platform.python_version()}, torch {torch.__version__}, matplotlib {matplotlib.__version__}")
     print(f"device: {device}, {torch.get_num_threads()} CPU thread; fast mode: {FAST}")
-    model, enc, ckpt = _trained("medusa")
+    model, enc, path, ckpt = _trained("medusa")
     cfg = model.base.config
-    out = os.path.dirname(ckpt["tokenizer"]["path"])  # the folder the checkpoint came from
-    settings = {k: v for k, v in ckpt["settings"].items() if k != "preset"}
-    args = run_args(ckpt["settings"]["preset"], out, device, **settings)
-    _, _, train_ids, val_ids = prepare_data(args)
-    print(f"model: preset {ckpt['settings']['preset']!r} from {os.path.relpath(out, ROOT)}/: {cfg.n_layer} layers, "
+    _, run = gpt_pipeline.reopen(path, device)
+    _, _, _, train_ids, val_ids = gpt_pipeline.prepare_data(run)
+    print(f"model: preset {run.preset!r} from {os.path.relpath(run.out, ROOT)}/: {cfg.n_layer} layers, "
           f"width {cfg.n_embd}, vocabulary {cfg.vocab_size}, context {cfg.block_size}, {len(model.heads)} Medusa heads")
-    return model, enc, ckpt, args, train_ids, val_ids
+    return model, enc, ckpt, run, train_ids, val_ids
 
 
 def load_drafter(name):
     """(model, checkpoint) of another drafter of the same run as load()'s model: "eagle" (its base is a copy of
     the same trained base)."""
-    model, _, ckpt = _trained(name)
+    model, _, _, ckpt = _trained(name)
     return model, ckpt
 
 
 def _trained(drafter):
-    """training.trained_model's (model, tokenizer, checkpoint). In a student copy (make_assignment.py), where some
-    assignments are still stubs, training would run them: the run must be there already, and before
-    assignment 1 is done Medusa's model is the base alone (model.heads is empty)."""
-    waiting = [n for n, a in grading.load_mapping()["assignment"].items() if grading.stubbed_here(a)]
+    """gpt_pipeline.trained_model's (model, tokenizer, checkpoint path, checkpoint). In a student copy
+    (kit/make_assignment.py), where some assignments are still stubs, training would run them: the run
+    must be there already, and while a drafter's own model is a stub (Medusa's heads before assignment 1)
+    its model is the base alone (model.heads is empty)."""
+    waiting = sorted({n for n, _, _ in stubs.stubs_in(_modules())})
     if not waiting:
-        return training.trained_model(device=device, drafter=drafter)
-
+        return gpt_pipeline.trained_model(device=device, drafter=drafter)
     path = os.path.join(ROOT, "out", f"{drafter}.pt")
-    if FAST or not training.run_finished(path):
+    if FAST or not gpt_pipeline.run_finished(path):
         path = os.path.join(ROOT, "out", "tiny", f"{drafter}.pt")
-    if not training.run_finished(path):
+    if not gpt_pipeline.run_finished(path):
         raise RuntimeError(f"this copy cannot train the course's model: training runs the code of assignments "
-                           f"{', '.join(waiting)}, still to write here. make_assignment.py copies out/tiny/ in; or copy it from "
-                           f"a full checkout where `python train_heads.py --preset tiny --out out/tiny --drafters "
-                           f"medusa,eagle` has run")
-    if drafter != "medusa" or "1" not in waiting:
-        return training.trained_model(device=device, drafter=drafter)
-    ckpt = load_checkpoint(path, device=device)  # no heads to build yet: the base alone
-    base = build_base(ckpt["base"], device)
+                           f"{', '.join(map(str, waiting))}, still to write here. kit/make_assignment.py copies "
+                           f"out/tiny/ in; or copy it from a full checkout where `python train_heads.py --preset tiny "
+                           f"--out out/tiny --drafters medusa,eagle` has run")
+    try:
+        return gpt_pipeline.trained_model(device=device, drafter=drafter)
+    except NotImplementedError:  # the drafter's own model is still to write here: the base alone
+        ckpt = checkpoints.load(path, device)
+    base = checkpoints.build_base(ckpt["base"], device)
     base.load_state_dict({k.removeprefix("base."): v for k, v in ckpt["model"].items() if k.startswith("base.")})
-    print("assignment 1 is not done in this copy: the model is the base alone, without Medusa heads")
-    return types.SimpleNamespace(base=base.eval(), heads=[]), load_tokenizer(ckpt["tokenizer"]), ckpt
+    print(f"the {drafter} drafter's code is not written in this copy: the model is the base alone, without it")
+    return (types.SimpleNamespace(base=base.eval(), heads=[]), checkpoints.load_tokenizer(path, ckpt), path, ckpt)
+
+
+def _modules():
+    """The project's root modules (the core and the commands), where a student copy's stubs are."""
+    return [name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")]
 
 
 def needs(*numbers):
-    """Whether assignments `numbers` are written in this copy of the project (their functions are not
-    stubs); for each that is not, one line saying so. A notebook guards the cells that run an
-    assignment's code with it, so that a student copy runs top to bottom. An assignment that
-    assignments.toml does not list counts as written: a copy lists only its own and later ones."""
-    assignments = grading.load_mapping()["assignment"]
-    missing = [str(n) for n in numbers if str(n) in assignments and grading.stubbed_here(assignments[str(n)])]
+    """Whether assignments `numbers` are written in this copy of the project (none of their functions is a
+    stub); for each that is not, one line saying so. A notebook guards the cells that run an assignment's
+    code with it, so that a student copy runs top to bottom. The stubs carry their assignment's number
+    (lab/stubs.py), so this reads the source, not the course kit."""
+    found = stubs.stubs_in(_modules())
+    missing = [n for n in numbers if any(m == n for m, _, _ in found)]
     for n in missing:
-        names = ", ".join(key.partition(":")[2] for key in assignments[n]["stubs"])
+        names = ", ".join(key.partition(":")[2] for m, key, _ in found if m == n)
         print(f"this cell needs assignment {n} ({names}), not done in this copy")
     return not missing
 
@@ -100,7 +104,7 @@ def needs(*numbers):
 def chosen_tree(ckpt):
     """The tree the run chose for this device, as rank paths, printed in the one format every notebook
     uses (tests/test_notebooks.py checks that all notebooks print the same one: the same run)."""
-    paths = [tuple(p) for p in ckpt["tree"]]
+    paths = [tuple(p) for p in trees_of(ckpt).tree]
     print(f"chosen tree: {len(paths)} nodes {[list(p) for p in paths]}")
     return paths
 

@@ -1,44 +1,47 @@
-"""Shared tiny models. Tests run on one thread: on a 2-core machine two torch threads beside
-another busy process run far slower than one.
+"""Shared tiny models, and the options every test file takes.
 
-`python -m pytest --device cuda` (or mps) runs the core exactness tests on that device: they take
-the `device` fixture. Everything else stays on the CPU."""
+Tests run on one thread: on a 2-core machine two torch threads beside another busy process run far
+slower than one. A model that takes seconds to train is trained once per process (functools.cache)
+and each test gets its own copy. `python -m pytest --device cuda` (or mps) runs the core exactness
+tests on that device: they take the `device` fixture. Everything else stays on the CPU.
+
+The graded test files (kit/assignments.toml lists their tests) are the course's autograder: a test you
+add to one of them that reaches a function an assignment stubs must be listed under that assignment.
+kit/tests/README.md says how, and kit/tests/ checks it.
+"""
+import copy
+import functools
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
-from memo import trained_once  # noqa: E402
-import warm  # noqa: E402
-from common import FAST_MALLOC  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The order the two workers take the test files in (pytest.ini: --dist loadfile --no-loadscope-reorder; a
-# worker takes the next file when it has little left of its last): the assignment kit first, the longest;
-# the notebooks once the tiny model they share with it is trained; the longer files before the shorter.
-FIRST = ["test_assignments.py", "test_decoding.py", "test_pipeline.py", "test_notebooks.py", "test_smollm.py",
-         "test_peers.py", "test_mutants.py"]
 
 
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(FIRST)))  # stable: files stay whole
+def trained_once(build):
+    """Train a model once per test process (build is called with the same arguments at most once); each
+    call returns its own copy, so a test that moves its model to a device leaves the next test's alone."""
+    cached = functools.cache(build)
+
+    @functools.wraps(build)
+    def fresh(*args):
+        return copy.deepcopy(cached(*args))
+    return fresh
 
 
-def train_tiny_run():
-    """out/tiny/, the tiny preset's run that the notebooks (in fast mode) and the assignment kit's copies
-    use (training.tiny_run): trained once, if it is not there yet, with train_heads.py's allocator settings,
-    on one thread (the other worker keeps the second core busy)."""
-    env = {**os.environ, **FAST_MALLOC}
-    code = "import torch, training; torch.set_num_threads(1); training.tiny_run()"
-    proc = warm.run(["-c", code], ROOT, env, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+def tiny_run_folder():
+    """out/tiny/, the tiny preset's run that the notebooks (in fast mode), the command tests and the kit's
+    copies use (lab/gpt_pipeline.tiny_run): trained once, if it is not there yet (a file lock keeps two
+    test processes from training it twice)."""
+    from lab import gpt_pipeline
+    return gpt_pipeline.tiny_run()
 
 
 def tiny_config(**kw):

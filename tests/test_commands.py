@@ -1,7 +1,10 @@
 """The commands: every flag takes effect or is refused in one line, on every base, and a device this
 machine or this torch build does not have is named, with what to install. CUDA and MPS are stood in
 for on the CPU by patching what torch reports."""
+import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,12 +12,15 @@ import torch
 
 import ablation
 import benchmark
-import common
 import sample
 import train_heads
-import warm
+from lab import cli, devices, smollm_pipeline
+from lab.cli import UsageError
+from lab.config import SmolRun
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = {"train_heads": train_heads.main, "benchmark": benchmark.main, "sample": sample.main,
+            "ablation": ablation.main}
 
 
 def fake_cuda(monkeypatch):
@@ -27,82 +33,101 @@ def fake_cuda(monkeypatch):
 def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
     """--base smollm2 hands its device, threads, seed, output folder, resume, drafter training steps
     and learning rate, and report sizes to the SmolLM2 run: nothing is dropped, the device included."""
-    import smollm_heads
     fake_cuda(monkeypatch)
     got = {}
-    monkeypatch.setattr(smollm_heads, "run", lambda out, **kw: got.update(out=out, **kw))
+    monkeypatch.setattr(smollm_pipeline, "run", lambda run: got.update(run=run))
     train_heads.main(["--base", "smollm2", "--device", "cuda", "--threads", "1", "--seed", "3", "--resume",
                       "--out", str(tmp_path), "--head-steps", "7", "--head-lr", "0.01", "--report-prompts", "2",
                       "--report-tokens", "9"])
-    assert got == dict(out=str(tmp_path / "smollm2"), device=torch.device("cuda"), threads=1, seed=3, resume=True,
-                       drafters=["medusa"], steps=7, lr=0.01, eagle_steps=None, eagle_lr=None, report_prompts=2,
-                       report_tokens=9)
+    assert got["run"] == SmolRun(out=str(tmp_path / "smollm2"), device=torch.device("cuda"), threads=1, seed=3,
+                                 resume=True, drafters=("medusa",), head_steps=7, head_lr=0.01, report_prompts=2,
+                                 report_tokens=9)
 
 
 @pytest.mark.parametrize("flag", [["--preset", "tiny"], ["--data", "x.txt"], ["--num-heads", "3"], ["--joint"],
                                   ["--base-steps", "10"], ["--vocab-size", "512"], ["--share-lm-head"]])
 def test_smollm2_refuses_the_flags_of_the_tiny_gpt(flag):
-    with pytest.raises(train_heads.UsageError, match=f"{flag[0]}: shapes the tiny GPT, not SmolLM2"):
+    with pytest.raises(UsageError, match=f"{flag[0]}: shapes the tiny GPT, not SmolLM2"):
         train_heads.parse_args(["--base", "smollm2"] + flag)
 
 
-@pytest.mark.parametrize("argv", [["--threads", "0"], ["--head-steps", "-1"], ["--report-tokens", "0"]])
-def test_impossible_numbers_are_refused(argv):
-    with pytest.raises(train_heads.UsageError, match="must be at least"):
-        train_heads.parse_args(argv)
-
-
 def test_a_missing_device_says_which_and_what_to_install(monkeypatch):
-    """cuda on a torch built without CUDA, cuda with no GPU, mps off a Mac, and a name that is no device."""
+    """cuda on a torch built without CUDA, cuda with no GPU, mps off a Mac, a name that is no device, and
+    an index this machine does not have (cpu:7, cuda:99): refused before anything runs."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
-    with pytest.raises(ValueError, match="--device cuda: this torch build .* has no CUDA; install a CUDA build"):
-        common.pick_device("cuda")
+    with pytest.raises(UsageError, match="--device cuda: this torch build .* has no CUDA; install a CUDA build"):
+        devices.pick_device("cuda")
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="sees no GPU"):
-        common.pick_device("cuda")
+    with pytest.raises(UsageError, match="sees no GPU"):
+        devices.pick_device("cuda")
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: False)
-    with pytest.raises(ValueError, match="--device mps: this torch build .* has no MPS"):
-        common.pick_device("mps")
-    with pytest.raises(ValueError, match="--device gpu: not a device"):
-        common.pick_device("gpu")
+    with pytest.raises(UsageError, match="--device mps: this torch build .* has no MPS"):
+        devices.pick_device("mps")
+    for garbage in ("gpu", "cuda:x", "", "cpu:-1"):
+        with pytest.raises(UsageError, match="not a device"):
+            devices.pick_device(garbage)
+    with pytest.raises(UsageError, match="the CPU is one device"):
+        devices.pick_device("cpu:7")
     fake_cuda(monkeypatch)
-    assert common.pick_device("cuda") == torch.device("cuda")
-    with pytest.raises(ValueError, match="has 1 CUDA GPU"):
-        common.pick_device("cuda:3")
+    assert devices.pick_device("cuda") == torch.device("cuda")
+    with pytest.raises(UsageError, match="has 1 CUDA GPU"):
+        devices.pick_device("cuda:99")
+    assert devices.pick_device("cpu:0") == devices.pick_device("cpu") == torch.device("cpu")
 
 
-@pytest.mark.parametrize("main", [train_heads.main, benchmark.main, sample.main, ablation.main],
-                         ids=["train_heads", "benchmark", "sample", "ablation"])
-def test_every_command_refuses_a_device_it_does_not_have(main, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_refuses_a_device_it_does_not_have(name, monkeypatch, tmp_path):
     """Checked before anything is loaded or trained."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
-    with pytest.raises((ValueError, train_heads.UsageError, sample.UsageError), match="--device cuda: this torch"):
-        main(["--device", "cuda", "--out", str(tmp_path)])
+    with pytest.raises(UsageError, match="--device cuda: this torch"):
+        COMMANDS[name](["--device", "cuda", "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("main", [train_heads.main, benchmark.main, sample.main, ablation.main],
-                         ids=["train_heads", "benchmark", "sample", "ablation"])
-def test_a_malformed_flag_is_a_value_error_not_a_usage_dump(main):
-    """argparse's own complaints (a flag without its value, an unknown flag) come as ValueError, which every command
-    prints as one line, `error: ...` (argparse would print its usage first, then the error)."""
-    with pytest.raises(ValueError, match="argument --out: expected one argument"):
-        main(["--out"])
-    with pytest.raises(ValueError, match="unrecognized arguments: --no-such-flag"):
-        main(["--no-such-flag"])
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_malformed_flag_is_one_line_not_a_usage_dump(name):
+    """argparse's own complaints (a flag without its value, an unknown flag, an empty string) are a
+    UsageError, which every command prints as one line, `error: ...`, exit status 2."""
+    with pytest.raises(UsageError, match="argument --out: expected one argument"):
+        COMMANDS[name](["--out"])
+    with pytest.raises(UsageError, match="unrecognized arguments: --no-such-flag"):
+        COMMANDS[name](["--no-such-flag"])
+    with pytest.raises(UsageError, match="--out: must not be empty"):
+        COMMANDS[name](["--out", ""])
 
 
 def test_sample_refuses_flags_that_would_do_nothing():
     for argv, message in ((["--chat", "hi"], "--chat talks to SmolLM2"),
                           (["--base", "smollm2", "--prompt", "x"], "SmolLM2 takes a --chat"),
                           (["--sampling", "exact"], "give a --temperature above 0"),
-                          (["--tokens", "0"], "at least 1")):
-        with pytest.raises(sample.UsageError, match=message):
+                          (["--tokens", "0"], "must be from 1")):
+        with pytest.raises(UsageError, match=message):
             sample.parse_args(argv)
 
 
-def test_a_users_mistake_is_one_line_and_a_nonzero_exit():
-    env = {**os.environ, **common.FAST_MALLOC}  # set: the command starts once, not twice
-    result = warm.run(["train_heads.py", "--base", "smollm2", "--preset", "tiny"], ROOT, env)
-    assert result.returncode != 0
+def test_finish_tells_a_users_mistake_from_a_bug(capsys):
+    """cli.finish: a UsageError exits 2 and a RunError 1, each one line; a stub reached is one line; Ctrl-C
+    is 130; any other exception keeps its traceback (it is raised)."""
+    def raising(error):
+        def main(argv=None):
+            raise error
+        return main
+    assert cli.finish(raising(UsageError("--x 3: bad"))) == 2
+    assert cli.finish(raising(cli.RunError("out/medusa.pt: held"))) == 1
+    assert cli.finish(raising(NotImplementedError("assignment 3: evaluate_posterior: do it"))) == 1
+    assert cli.finish(raising(KeyboardInterrupt())) == 130
+    err = capsys.readouterr().err.splitlines()
+    assert err[:3] == ["error: --x 3: bad", "error: out/medusa.pt: held", "error: assignment 3: evaluate_posterior: do it"]
+    with pytest.raises(ValueError, match="cannot convert"):
+        cli.finish(raising(ValueError("cannot convert float NaN to integer")))
+    with pytest.raises(NotImplementedError):  # not a stub's marker: a bug
+        cli.finish(raising(NotImplementedError("subclass me")))
+
+
+def test_a_users_mistake_is_one_line_and_exit_status_2():
+    """Run as a user runs it: one line on stderr, status 2."""
+    env = {**os.environ, **cli.FAST_MALLOC}  # set: the command starts once, not twice
+    result = subprocess.run([sys.executable, "train_heads.py", "--base", "smollm2", "--preset", "tiny"], cwd=ROOT,
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 2
     assert result.stderr.startswith("error: --preset") and len(result.stderr.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""Corpus, BPE tokenizer and token cache (data.py)."""
+"""Corpus, BPE tokenizer and token cache (lab/data.py)."""
 import base64
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import requests
 import tiktoken
 
-import data
+from lab import data
 
 AWKWARD = [
     "", " ", "\n", "   \t\t  \n\n\r\n  ", "  trailing spaces  ", "héllo, wörld — ½ café",
@@ -117,14 +117,19 @@ def test_split_plays_rejects_bad_n_val(plays, n_val):
 
 
 def test_read_text_file_explains_bad_files(tmp_path):
-    """Empty, whitespace-only and non-UTF-8 files give a ValueError naming the file and problem."""
+    """Empty, whitespace-only and non-UTF-8 files, a folder and a missing file: one line (UsageError) naming
+    the flag, the file and the problem."""
+    from lab.cli import UsageError
+    (tmp_path / "folder.txt").mkdir()
     for name, content, problem in [("empty.txt", b"", "empty"), ("blank.txt", b" \n\t\n", "empty"),
-                                   ("latin1.txt", b"caf\xe9\n", "not UTF-8")]:
+                                   ("latin1.txt", b"caf\xe9\n", "not UTF-8"), ("folder.txt", None, "a folder"),
+                                   ("missing.txt", None, "no such file")]:
         path = tmp_path / name
-        path.write_bytes(content)
-        with pytest.raises(ValueError, match=problem) as err:
+        if content is not None:
+            path.write_bytes(content)
+        with pytest.raises(UsageError, match=problem) as err:
             data.read_text_file(str(path))
-        assert name in str(err.value)
+        assert str(err.value).startswith(f"--data {path}")
     good = tmp_path / "good.txt"
     good.write_bytes("To be,\r\nor not — 🦀\n".encode())
     assert data.read_text_file(str(good)) == "To be,\r\nor not — 🦀\n"

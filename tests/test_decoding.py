@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
-from memo import trained_once
+from conftest import trained_once, PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
 from medusa_mini import GPT, MedusaModel, generate, medusa_generate, medusa_loss
-from measure import chi_square, true_joint
+from lab.probes import chi_square, true_joint
 from verify import evaluate_posterior, sample_tree_walk
 from tree import build_tree_buffers, dense_tree
 
@@ -153,11 +152,11 @@ def test_typical_ties_broken_by_log_likelihood():
     p = [0.4, 0.35, 0.25]
     logits = logits_from_probs([[p, p, p]] * 3)
     candidates = torch.tensor([[0, 2, 2], [0, 0, 1], [0, 1, 0]])  # all accept 2 (threshold 0.09)
-    got = evaluate_posterior(logits, candidates, 1.0)
+    got = tuple(evaluate_posterior(logits, candidates, 1.0)[:2])
     assert got == (1, 2), (f"(best row, accept length) = {got}, expected (1, 2): rows 0-2 all accept 2, "
                            f"rows 1 and 2 tie exactly (0.4 * 0.35) above row 0, and the first of a tie wins")
     candidates = torch.tensor([[0, 2, 2], [0, 1, 1], [0, 0, 1]])
-    got = evaluate_posterior(logits, candidates, 1.0)
+    got = tuple(evaluate_posterior(logits, candidates, 1.0)[:2])
     assert got == (2, 2), f"(best row, accept length) = {got}, expected (2, 2): row 2 has the largest 0.4 * 0.35"
 
 
@@ -205,7 +204,7 @@ def test_typical_ties_compare_only_the_accepted_prefix():
     ]
     for candidates, lengths, expected in cases:
         lengths = None if lengths is None else torch.tensor(lengths)
-        got = evaluate_posterior(logits, torch.tensor(candidates), T, path_lengths=lengths)
+        got = tuple(evaluate_posterior(logits, torch.tensor(candidates), T, path_lengths=lengths)[:2])
         assert got == expected, (
             f"candidates {candidates}, path_lengths {lengths}, probabilities {D} at T = {T}: (best row, "
             f"accept length) = {got}, expected {expected}: rank tied rows by the log p of their accepted tokens only")
@@ -243,13 +242,13 @@ def test_greedy_picks_the_first_longest_row():
     for candidates, expected, why in [([[0, 1, 1], [0, 2, 1], [0, 2, 2]], (2, 2), "only row 2 accepts 2"),
                                       ([[0, 1, 1], [0, 2, 2], [0, 2, 2]], (1, 2), "rows 1 and 2 accept 2: the first"),
                                       ([[0, 1, 1], [0, 3, 2]], (0, 0), "nothing is accepted: row 0")]:
-        got = evaluate_posterior(logits[:len(candidates)], torch.tensor(candidates))
+        got = tuple(evaluate_posterior(logits[:len(candidates)], torch.tensor(candidates))[:2])
         assert got == expected, (f"candidates {candidates} (the argmax is 2 everywhere): (best row, accept length) "
                                  f"= {got}, expected {expected}, {why}")
     # logits[r, j] predicts token j + 1 of row r: here the argmax is 1, then 3, then 0.
     logits = torch.zeros(1, 3, 4)
     logits[0, 0, 1] = logits[0, 1, 3] = logits[0, 2, 0] = 1.0
-    got = evaluate_posterior(logits, torch.tensor([[0, 1, 3]]))
+    got = tuple(evaluate_posterior(logits, torch.tensor([[0, 1, 3]]))[:2])
     assert got == (0, 2), (f"candidates [[0, 1, 3]], argmax of logits[0, j] = 1, 3, 0 for j = 0, 1, 2: (best row, "
                            f"accept length) = {got}, expected (0, 2): draft j + 1 is checked against logits[:, j]")
 
@@ -412,7 +411,9 @@ def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
     Three tokens with a depth-2 tree use everything: nodes past depth 1, and the next root drawn
     where a walk stops. False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that
     draws x3 without looking at x2 are both rejected by the same test at the same sample size."""
-    from eagle import DynamicTree, eagle_generate
+    from eagle import eagle_generate
+    from feature_drafter import DynamicTree
+    from mtp import mtp_generate
     torch.manual_seed(1)
     T, n = 0.7, 1500
     model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]().to(device)
@@ -425,8 +426,8 @@ def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
                                    sampling="exact")
     else:
         def sample():
-            return eagle_generate(model, prompt, 3, DynamicTree(topk=2, nodes=4, depth=2), temperature=T,
-                                  sampling="exact")
+            decode = eagle_generate if drafter == "eagle" else mtp_generate
+            return decode(model, prompt, 3, DynamicTree(topk=2, nodes=4, depth=2), temperature=T, sampling="exact")
     counts, accepted = torch.zeros(V_SMALL, V_SMALL, V_SMALL), 0
     for _ in range(n):
         out, stats = sample()
@@ -476,17 +477,20 @@ def test_bad_requests_raise_clear_errors(kwargs, message):
 
 
 def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution(periodic_model):
-    """benchmark.exact_sampling_ceiling: on a periodic model, sampling follows the period, so the heads
+    """lab.probes.exact_sampling_ceiling: on a periodic model, sampling follows the period, so the heads
     (trained on it) and the ceiling both commit nearly the whole 4-deep chain each step; heads with
     scrambled residual blocks guess wrong and commit about the root alone, while the ceiling stays."""
     import copy
-    from measure import exact_sampling_ceiling
+    from lab import drafters
+    from lab.probes import exact_sampling_ceiling
     from conftest import PERIOD
+    medusa = drafters.get("medusa")
     device = periodic_model.base.lm_head.weight.device
     prompts = [torch.tensor(PERIOD[:5], device=device), torch.tensor(PERIOD[3:], device=device),
                torch.tensor((PERIOD * 6)[:52], device=device)]  # 52 + 12 tokens fill the 64-token context
     torch.manual_seed(0)
-    good = exact_sampling_ceiling(periodic_model, prompts, 0.7, [4], new_tokens=12, every=3, draws=64, ranked=32)
+    good = exact_sampling_ceiling(periodic_model.base, {"heads": (medusa, periodic_model)}, prompts, 0.7, [4], 4,
+                                  new_tokens=12, every=3, draws=64, ranked=32)
     # contexts of 5, 8, ..., 17 and 6, 9, ..., 18 tokens: every third, to the end of the sample; then
     # 52, 55 and 58, where the root and 4 tokens after it still fit in the context
     assert good["positions"] == 5 + 5 + 3
@@ -496,7 +500,8 @@ def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution
         for head in scrambled.heads:
             head.residual.weight.normal_(0, 3.0, generator=torch.Generator(device=device).manual_seed(1))
     torch.manual_seed(0)
-    bad = exact_sampling_ceiling(scrambled, prompts, 0.7, [4], new_tokens=12, every=3, draws=64, ranked=32)
+    bad = exact_sampling_ceiling(scrambled.base, {"heads": (medusa, scrambled)}, prompts, 0.7, [4], 4,
+                                 new_tokens=12, every=3, draws=64, ranked=32)
     assert bad["heads"][4] < 2.0 < 4.5 < min(bad["ceiling"][4], bad["conditional"][4]), bad
 
 
@@ -552,7 +557,7 @@ def test_acceptance_stops_after_a_stop_token():
     candidates = torch.tensor([[1, 5, 6, 7], [1, 5, 6, 9]])
     for temperature in (0.0, 1.0):
         kwargs = dict(temperature=temperature, posterior_threshold=0.05, posterior_alpha=0.05)
-        assert evaluate_posterior(logits, candidates, **kwargs) == (0, 3)
+        assert evaluate_posterior(logits, candidates, **kwargs) == (0, 3, False)
         assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([6]), **kwargs) == (0, 2, True)
         assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([1]), **kwargs) == (0, 0, True)
         assert evaluate_posterior(logits, candidates, stop_tokens=torch.tensor([8]), **kwargs) == (0, 3, False)

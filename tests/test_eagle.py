@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same_tokens, clock_gpt, periodic_batch, tiny_config
-from eagle import DynamicTree, EagleModel, FeatureDrafter, chain_outputs, eagle_generate, eagle_loss
+from conftest import trained_once, assert_same_tokens, clock_gpt, periodic_batch, tiny_config
+from eagle import EagleModel, eagle_generate, eagle_loss
+from feature_drafter import DynamicTree, FeatureDrafter, chain_outputs
 from medusa_mini import GPT, generate
-from memo import trained_once
 from mtp import MTPModel
 from verify import prefill
 

@@ -252,7 +252,8 @@ def test_cheaper_drafts_leave_greedy_output_exact(periodic_model):
             torch.testing.assert_close(drafts.float(), expected, atol=0.1, rtol=0.02, msg=lambda m: f"{case}: {m}")
             assert torch.equal(drafts.argmax(-1), expected.argmax(-1)), f"{case}: bf16 changed the heads' top guesses"
         assert_same_tokens(out, plain, model, stats, 3)
-    assert stats.tokens_per_step > 1.5, f"{stats.tokens_per_step:.2f} tokens/step drafting from half the vocabulary"
+    # 3 of the period's 9 tokens are even: drafts from that half still commit more than the root alone
+    assert stats.tokens_per_step > 1.3, f"{stats.tokens_per_step:.2f} tokens/step drafting from half the vocabulary"
 
 
 def test_divergence_report_gives_the_top2_margin():

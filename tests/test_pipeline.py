@@ -7,13 +7,14 @@ import time
 import pytest
 import torch
 
-import common
-import measure
+import sample
 import train_heads
-import training
-import warm
 from conftest import PERIOD, random_medusa
-from medusa_mini import GPT, GPTConfig, MedusaDrafter, medusa_generate
+from lab import checkpoints, drafters, gpt_pipeline, plan, report, timing, train, trees
+from lab.cli import RunError, UsageError
+from lab.config import PRESETS, gpt_run
+from lab.timing import Mode
+from medusa_mini import GPT, GPTConfig, generate
 from verify import KVCache
 from tree import dense_tree, validate_choices
 
@@ -40,7 +41,7 @@ def test_tiny_preset_compares_the_drafters(tiny_run):
     assert report["drafter"] == "medusa" and set(report["drafters"]) == {"medusa", "eagle", "mtp"}
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", report["date"]) and report["command"].startswith("python ")
     modes = report["modes"]
-    assert len(modes) == measure.REPORT_PLAIN_MODES + measure.modes_per_drafter(2) + 2 * measure.modes_per_drafter(1)
+    assert len(modes) == plan.report_modes_count(gpt_run("tiny", drafters=("medusa", "eagle", "mtp"), mtp_modules=1))
     for drafter in ("medusa", "eagle", "mtp"):
         for kind in ("greedy, chosen tree", "typical T=0.7", "exact T=0.7, sampling tree"):
             assert any(name.startswith(f"{drafter} {kind}") for name in modes), (drafter, kind)
@@ -49,7 +50,7 @@ def test_tiny_preset_compares_the_drafters(tiny_run):
         assert summary["parameters"] > 0 and summary["training"]["seconds"] > 0
     assert any(name.startswith("eagle greedy, dynamic tree") for name in modes)
     mtp = torch.load(out / "mtp.pt", weights_only=True)
-    assert mtp["base"]["mtp"] == 1 and mtp["drafter"] == {"kind": "mtp", "config": {"depth": 1}}
+    assert mtp["base"]["mtp_modules"] == 1 and mtp["drafter"] == {"kind": "mtp", "config": {"depth": 1}}
     assert any(k.startswith("mtp.0.") for k in mtp["model"])  # the modules, saved with the base they trained with
     assert all(r["greedy_identical"] == 1.0 for r in modes.values() if "greedy_identical" in r)
     assert (out / "drafters.png").exists() and len(list(out.glob("*.png"))) >= 3
@@ -57,26 +58,23 @@ def test_tiny_preset_compares_the_drafters(tiny_run):
     assert "| mode |" in text and "| drafter |" in text
 
 
-def test_a_tree_is_grown_for_exact_sampling(tiny_run):
+def test_a_tree_is_grown_for_exact_sampling(tiny_run, capsys):
     """medusa.pt holds a tree for exact sampling: a prefix of the order grown from accuracies read on
     sampled text (not the greedy ones); the report measures exact sampling on it, and
     sample.py --sampling exact decodes with it."""
     out, report = tiny_run
-    ckpt = torch.load(out / "medusa.pt", weights_only=True)
-    tree = [tuple(p) for p in ckpt["sampling_tree"]]
-    assert validate_choices(tree) and tree == [tuple(p) for p in ckpt["sampling_order"]][:len(tree)]
-    assert ckpt["sampled_accuracies"] != ckpt["accuracies"]
+    chosen = trees.trees_of(torch.load(out / "medusa.pt", weights_only=True))
+    tree = chosen.sampling_tree
+    assert validate_choices(tree) and chosen.sampled_accuracies != chosen.accuracies
     assert f"medusa exact T=0.7, sampling tree ({len(tree)} nodes)" in report["modes"]
-    result = warm.run(["sample.py", "--out", str(out), "--tokens", "12", "--temperature", "0.7", "--sampling", "exact"],
-                      ROOT)
-    assert result.returncode == 0, result.stderr
-    assert f"tree: {len(tree)} nodes" in result.stdout
+    sample.main(["--out", str(out), "--tokens", "12", "--temperature", "0.7", "--sampling", "exact"])
+    assert f"tree: {len(tree)} nodes" in capsys.readouterr().out
 
 
 def test_an_mtp_base_is_never_taken_for_a_plain_one(tiny_run):
     """The MTP run's folder holds a base trained with MTP: a plain run pointed at it refuses it, in one line."""
     out, _ = tiny_run
-    with pytest.raises(ValueError, match="trained with 1 MTP modules and this run asks for 0"):
+    with pytest.raises(RunError, match=r"base.pt was trained for other settings: this run asks for --mtp 0 \(it holds 1\)"):
         train_heads.main(["--preset", "tiny", "--out", str(out), "--threads", "1"])
 
 
@@ -99,35 +97,32 @@ def test_second_run_reuses_checkpoints(tiny_run, capsys):
     train_heads.main(["--preset", "tiny", "--out", str(out.parent), "--mtp", "1", "--drafters", "medusa,eagle,mtp",
                       "--threads", "1", "--report-prompts", "1", "--report-tokens", "8"])
     printed = capsys.readouterr().out
-    assert "base: reusing" in printed and "heads: reusing" in printed and "eagle: reusing" in printed
+    assert "base: reusing" in printed and "medusa: reusing" in printed and "eagle: reusing" in printed
 
 
 def test_checkpoint_round_trip_and_clear_errors(tmp_path):
-    """Save then load gives the same tensors; corrupt files and other configs get a clear ValueError."""
+    """Save then load gives the same tensors; a truncated or foreign file is one line (RunError)."""
     config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
     path = tmp_path / "ckpt.pt"
     model = GPT(config)
-    common.save_checkpoint(path, base=common.gpt_base(config), drafter=None, model=model.state_dict())
-    loaded = common.load_checkpoint(path, config)
+    checkpoints.save(path, base=checkpoints.gpt_base_entry(config), drafter=None, model=model.state_dict())
+    loaded = checkpoints.load(path)
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
-    assert not list(tmp_path.glob("*.tmp"))  # the atomic write left no temp file
-    with pytest.raises(ValueError, match="made for config"):
-        common.load_checkpoint(path, GPTConfig(vocab_size=12, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    assert not [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]  # the atomic write left no temp file
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
-        common.load_checkpoint(path)
+    with pytest.raises(RunError, match="not a readable medusa-mini checkpoint"):
+        checkpoints.load(path)
     (tmp_path / "junk.pt").write_bytes(b"\x00not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable"):
-        common.load_checkpoint(tmp_path / "junk.pt")
+    with pytest.raises(RunError, match="not a readable"):
+        checkpoints.load(tmp_path / "junk.pt")
 
 
 @pytest.mark.parametrize("content, message", [(b"", "empty"), (b"   \n", "empty"), (b"caf\xe9 \xff", "not UTF-8")])
 def test_bad_data_files_give_a_clear_error(tmp_path, content, message):
-    """`--data` with an empty or non-UTF-8 file: a ValueError saying what is wrong, before any training, which
-    the command prints as one line (tests/test_commands.py::test_a_users_mistake_is_one_line_and_a_nonzero_exit)."""
+    """`--data` with an empty or non-UTF-8 file: one line saying what is wrong, before any training."""
     path = tmp_path / "text.txt"
     path.write_bytes(content)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UsageError, match=message):
         train_heads.main(["--preset", "tiny", "--data", str(path), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out" / "base.pt").exists()
 
@@ -135,7 +130,8 @@ def test_bad_data_files_give_a_clear_error(tmp_path, content, message):
 def test_head_accuracies_read_the_right_offsets(periodic_model):
     """On the periodic model every head's rank-0 guess is the token k+1 steps later: accuracy ~1 at rank 0."""
     prompts = torch.tensor([PERIOD[:5], PERIOD[3:8]])
-    acc = training.measure_head_accuracies(periodic_model, prompts, 20, ranks=3)
+    seq = generate(periodic_model.base, prompts, 20)
+    acc = trees.accuracies(drafters.get("medusa"), periodic_model, [(seq, 4, None)], 4, 3)
     assert len(acc) == 4 and all(len(a) == 3 for a in acc)
     assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
 
@@ -150,9 +146,10 @@ def test_compare_picks_a_thread_count_on_the_first_prompt(monkeypatch):
         time.sleep(0.02 if calls[-1] == slow_at else 0.001)
         return torch.cat([idx, torch.zeros(1, n_new, dtype=idx.dtype)], 1)
 
-    modes = {"a": (decode, dict(slow_at=1)), "b": (decode, dict(slow_at=2)), "c": (decode, dict(slow_at=1))}
+    modes = {"a": Mode(decode, dict(slow_at=1), every_thread_count=False),
+             "b": Mode(decode, dict(slow_at=2), every_thread_count=False), "c": Mode(decode, dict(slow_at=1))}
     prompts = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
-    runs = measure.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2], picked=["a", "b"])
+    runs = timing.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2])
     assert sorted(runs) == [("a", 2), ("b", 1), ("c", 1), ("c", 2)]
     assert all(len(run["seconds"]) == len(run["outputs"]) == 3 for run in runs.values())
     assert len(calls) == 2 * (3 * 2) + 2 * 2 * 4  # 2 repeats: the first prompt 3 modes x 2 counts, then 2 x 4 keys
@@ -162,65 +159,41 @@ def test_report_runs_the_other_modes_at_one_thread_count():
     """run_report: the plain modes and the drafter's chosen tree at every thread count, every other mode
     at one (compare picks it); the table shows "-" where a mode did not run."""
     order = dense_tree([2, 2, 1, 1])  # by depth: every prefix is a tree
-    d = measure.Drafted("medusa", random_medusa(), medusa_generate, MedusaDrafter, order[:2], order, [[0.5]] * 4,
-                        {}, order[:1], {"grown tree": order[:14]})
+    chosen = trees.Trees(order[:2], 1, order, [[0.5]] * 4, {}, order[:1], [[0.5]] * 4, {"grown tree": order[:14]})
+    d = report.Drafted(drafters.get("medusa"), random_medusa(), chosen)
     prompts = [torch.tensor(PERIOD[:6]), torch.tensor(PERIOD[2:8])]
-    report = measure.run_report([d], prompts, 6, [1, 2], ops=False, sweep=False, repeats=1)
-    ran = {name: sorted(row["tokens_per_s_by_threads"]) for name, row in report["modes"].items()}
+    rep = report.run_report([d], prompts, 6, [1, 2], ops=False, sweep=False, repeats=1)
+    ran = {name: sorted(row["tokens_per_s_by_threads"]) for name, row in rep["modes"].items()}
     every = {"plain greedy", "plain sampling T=0.7", "medusa greedy, chosen tree (2 nodes)"}
     assert set(ran) == every | {"medusa greedy, grown tree (14 nodes)", "medusa typical T=0.7, chosen tree",
                                 "medusa exact T=0.7, chosen tree", "medusa exact T=0.7, sampling tree (1 nodes)"}
     assert all(ran[name] == [1, 2] if name in every else len(ran[name]) == 1 for name in ran), ran
-    assert report["speedup_1_thread"] > 0 and report["modes"]["medusa greedy, grown tree (14 nodes)"]["greedy_identical"] == 1
-    row = report["modes"]["medusa greedy, grown tree (14 nodes)"]
-    line = next(line for line in measure.format_table(report).splitlines() if line.startswith("| medusa greedy, grown"))
+    assert rep["speedup_1_thread"] > 0 and rep["modes"]["medusa greedy, grown tree (14 nodes)"]["greedy_identical"] == 1
+    row = rep["modes"]["medusa greedy, grown tree (14 nodes)"]
+    line = next(line for line in report.format_table(rep).splitlines() if line.startswith("| medusa greedy, grown"))
     assert line.split(" | ")[2:4] == (["-", f"{row['tokens_per_s']:.0f}*"] if row["threads"] == 2
                                       else [f"{row['tokens_per_s']:.0f}*", "-"])
 
 
-def test_sample_prints_text_and_stats(tiny_run):
+def test_sample_prints_text_and_stats(tiny_run, capsys):
     """sample.py --compare prints the continuation, the drafter's stats line and both speeds."""
     out, _ = tiny_run
-    result = warm.run(["sample.py", "--out", str(out), "--prompt", "ROMEO:", "--tokens", "12", "--compare"], ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ROMEO:") and "tokens/step" in result.stdout and "plain 12 tokens" in result.stdout
-    assert "\033[" not in result.stdout  # not a terminal: no colour codes
+    sample.main(["--out", str(out), "--prompt", "ROMEO:", "--tokens", "12", "--compare"])
+    printed = capsys.readouterr().out
+    assert printed.startswith("ROMEO:") and "tokens/step" in printed and "plain 12 tokens" in printed
+    assert "\033[" not in printed  # not a terminal: no colour codes
 
 
-def test_ctrl_c_leaves_a_resumable_checkpoint(tmp_path, monkeypatch):
-    """Ctrl-C mid-training saves base.pt as unfinished; a plain rerun refuses it, --resume finishes it."""
-    real_lr_at = training.lr_at
-
-    def interrupt_at_step_40(step, total, peak):
-        if step == 40:
-            raise KeyboardInterrupt
-        return real_lr_at(step, total, peak)
-
-    args = ["--preset", "tiny", "--out", str(tmp_path), "--threads", "1", "--report-prompts", "1",
-            "--report-tokens", "8", "--base-steps", "60", "--head-steps", "20"]
-    monkeypatch.setattr(training, "lr_at", interrupt_at_step_40)
-    with pytest.raises(SystemExit):
-        train_heads.main(args)
-    ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
-    assert ckpt["done"] is False and ckpt["step"] == 40
-    monkeypatch.setattr(training, "lr_at", real_lr_at)
-    with pytest.raises(ValueError, match="--resume"):
-        train_heads.main(args)
-    train_heads.main(args + ["--resume"])
-    ckpt = torch.load(tmp_path / "base.pt", weights_only=True)
-    assert ckpt["done"] is True and ckpt["history"]["step"][-1] == 59
-
-
-@pytest.mark.parametrize("preset", common.PRESETS)
+@pytest.mark.parametrize("preset", PRESETS)
 def test_presets_generate_only_at_trained_positions(preset):
     """The context is the training window, and no stage generates past it (distillation, head
     accuracies, report; the notebooks size their lengths from the context too)."""
-    args = train_heads.parse_args(["--preset", preset, "--device", "cpu"])
-    assert "block_size" not in common.PRESETS[preset]  # block_size = seq_len, set in one place
-    for stage, length in training.generation_lengths(args).items():
-        assert length <= args.seq_len, (preset, stage, length)
-    with pytest.raises(train_heads.UsageError, match="past the"):  # refused up front
-        train_heads.parse_args(["--preset", preset, "--device", "cpu", "--report-tokens", str(args.seq_len)])
+    run = train_heads.parse_args(["--preset", preset, "--device", "cpu"])
+    assert "block_size" not in PRESETS[preset]  # block_size = seq_len, set in one place
+    for stage, length in gpt_pipeline.generation_lengths(run).items():
+        assert length <= run.seq_len, (preset, stage, length)
+    with pytest.raises(UsageError, match="past the"):  # refused up front
+        train_heads.parse_args(["--preset", preset, "--device", "cpu", "--report-tokens", str(run.seq_len)])
 
 
 def test_later_positions_are_no_worse(tiny_run):
@@ -236,10 +209,10 @@ def test_training_dtype_follows_the_device(monkeypatch):
     a CPU with bf16 instructions); fp16 (with a GradScaler) on other CUDA GPUs; fp32 on other CPUs and MPS."""
     for native, cuda_dtype, cpu_dtype in ((True, torch.bfloat16, torch.bfloat16), (False, torch.float16, torch.float32)):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
-        monkeypatch.setattr(training, "cpu_has_native_bf16", lambda n=native: n)
-        assert training.training_dtype(torch.device("cuda")) == cuda_dtype
-        assert training.training_dtype(torch.device("cpu")) == cpu_dtype
-        assert training.training_dtype(torch.device("mps")) == torch.float32
+        monkeypatch.setattr(train, "cpu_has_native_bf16", lambda n=native: n)
+        assert train.training_dtype(torch.device("cuda")) == cuda_dtype
+        assert train.training_dtype(torch.device("cpu")) == cpu_dtype
+        assert train.training_dtype(torch.device("mps")) == torch.float32
 
 
 def test_gpu_preset_fits_a_6gb_card(monkeypatch):
@@ -247,12 +220,12 @@ def test_gpu_preset_fits_a_6gb_card(monkeypatch):
     distillation batch is sized to fit, and every stage's estimated peak stays under 6 GB."""
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(5.5 * gib), 6 * gib))
-    args = common.run_args("gpu", "out", "cuda")
-    config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd)
-    rows = training.generation_batch_size(config, training.DISTILL_PROMPT + args.distill_len, args.device)
+    run = gpt_run("gpu", device="cuda", drafters=("medusa", "eagle"))
+    config = GPTConfig(vocab_size=run.vocab_size, block_size=run.seq_len, n_layer=run.n_layer,
+                       n_head=run.n_head, n_embd=run.n_embd)
+    rows = plan.generation_batch_size(config, plan.DISTILL_PROMPT + run.distill_len, run.device)
     assert 1 <= rows <= 1024
-    memory = training.estimate_memory(config, args, torch.bfloat16)
+    memory = plan.estimate_memory(config, run, torch.bfloat16)
     assert all(b < 5.5 * gib for b in memory.values()), {k: b / gib for k, b in memory.items()}
 
 
@@ -262,4 +235,4 @@ def test_generation_estimate_covers_the_kv_cache():
     config = GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=2, n_embd=16)
     cache = KVCache(config, batch_size=3, capacity=24)
     assert cache.k.size(3) == 24
-    assert training.estimate_generation_bytes(config, 3, 24) >= 2 * cache.k.numel() * cache.k.element_size()
+    assert plan.estimate_generation_bytes(config, 3, 24) >= 2 * cache.k.numel() * cache.k.element_size()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import data
+from lab import data
 import smollm
 from medusa_mini import MedusaModel, generate, medusa_generate
 from verify import KVCache
@@ -175,7 +175,8 @@ def test_greedy_eagle_equals_plain_greedy(smol, tree):
     """eagle_generate, unchanged, on this model with an EAGLE layer of its own kind (a Llama block, RoPE):
     identical greedy tokens, on a static tree and on EAGLE-2's dynamic tree. The layer is untrained
     (its drafts are mostly wrong); the SmolLM2 report checks a trained one on every held-out prompt."""
-    from eagle import DynamicTree, EagleModel, eagle_generate
+    from eagle import EagleModel, eagle_generate
+    from feature_drafter import DynamicTree
     model, enc, _ = smol
     torch.manual_seed(0)
     eagle = EagleModel(model).eval()
@@ -191,10 +192,10 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
     """distill() keeps the hidden states generate() computed: h[i, t] is the state at position t of
     prompt + answer, equal to a fresh forward over it, and y[i, t] the greedy token at t+1, cut after
     <|im_end|>; equal-length prompts share a batch."""
-    import smollm_heads
+    from lab import chat_prompts, smollm_pipeline
     model, enc, _ = smol
     prompts = ["What is the moon?", "What is a bee?", "Explain gravity to a ten-year-old."]
-    h, y, start = smollm_heads.distill(model, enc, prompts, n_new=6)
+    h, y, start = smollm_pipeline.distill(model, enc, prompts, n_new=6)
     for i, prompt in enumerate(prompts):
         ids = smollm.chat_tokens(enc, prompt)
         assert start[i] == len(ids) - 1
@@ -208,33 +209,34 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
 
 def test_passage_prompts_have_the_asked_length(smol):
     """Passage prompts are cut to one token length, so that distillation batches them together."""
-    import smollm_heads
+    from lab import chat_prompts, smollm_pipeline
     _, enc, _ = smol
     text = data.load_plays()["macbeth"][:3000]
-    for task in smollm_heads.TASKS:
-        prompt = smollm_heads.passage_prompt(enc, task, text, 80)
+    for task in chat_prompts.TASKS:
+        prompt = chat_prompts.passage_prompt(enc, task, text, 80)
         assert prompt is None or len(smollm.chat_tokens(enc, prompt)) == 80
 
 
 def test_held_out_prompts_do_not_depend_on_the_training_prompts(smol):
     """The held-out prompts are drawn first: more or fewer training prompts leave them unchanged (the
     trees are grown from their answers and the report decodes them), and none of them is a training prompt."""
-    import smollm_heads
+    from lab import chat_prompts, smollm_pipeline
     _, enc, _ = smol
-    train_a, held_a = smollm_heads.instruction_prompts(enc, shakespeare=6, general=10, held_out=6)
-    train_b, held_b = smollm_heads.instruction_prompts(enc, shakespeare=12, general=4, held_out=6)
+    train_a, held_a = chat_prompts.instruction_prompts(enc, shakespeare=6, general=10, held_out=6)
+    train_b, held_b = chat_prompts.instruction_prompts(enc, shakespeare=12, general=4, held_out=6)
     assert held_a == held_b and len(held_a) == 12 and len(train_a) == 16 and len(train_b) == 16
     assert not set(held_a) & (set(train_a) | set(train_b))
-    assert any(topic in p for p in held_a for topic in smollm_heads.HELD_OUT_TOPICS)
-    assert smollm_heads.instruction_prompts(enc, seed=1, shakespeare=6, general=10, held_out=6)[1] != held_a
+    assert any(topic in p for p in held_a for topic in chat_prompts.HELD_OUT_TOPICS)
+    assert chat_prompts.instruction_prompts(enc, seed=1, shakespeare=6, general=10, held_out=6)[1] != held_a
 
 
 def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
-    """common.load_model rebuilds what run() saves: the heads and the drafting vocabulary. Heads of
-    another model, a drafter of another kind or for another base, a file of the layout before
-    drafters were named, and a corrupt file are each refused in one line that says what to run."""
-    from common import SMOLLM2_BASE, load_model, save_checkpoint
+    """lab.checkpoints.load_model rebuilds what run() saves: the heads and the drafting vocabulary. Heads
+    of another model, a drafter of another kind or for another base, a file of an earlier layout, and
+    a corrupt file are each refused in one line that says what to run."""
     from conftest import tiny_config
+    from lab.checkpoints import SMOLLM2_BASE, load_model, save
+    from lab.cli import RunError
     from medusa_mini import GPT
     model, _, _ = smol
     torch.manual_seed(0)
@@ -245,24 +247,23 @@ def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
     vocab = torch.tensor([5, 17, 300])
     path = tmp_path / "medusa.pt"
     drafter = {"kind": "medusa", "config": {"num_heads": 2, "share_lm_head": True}}
-    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model={"heads." + k: v for k, v in
-                                                                     medusa.heads.state_dict().items()},
-                    draft_vocab=vocab)
+    save(path, base=SMOLLM2_BASE, drafter=drafter, done=True, draft_vocab=vocab,
+         model={"heads." + k: v for k, v in medusa.heads.state_dict().items()})
     loaded, _ = load_model(path, drafter="medusa", base_kind="smollm2", base=model)
     for (name, saved), restored in zip(medusa.heads.state_dict().items(), loaded.heads.state_dict().values()):
         assert torch.equal(saved, restored), name
     assert torch.equal(loaded.draft_vocab, vocab)
-    with pytest.raises(ValueError, match="holds a medusa drafter, not eagle: run `python train_heads.py --base smollm2 --drafters eagle`"):
+    with pytest.raises(RunError, match="holds the medusa drafter, not eagle: run `python train_heads.py --base smollm2 --drafters eagle`"):
         load_model(path, drafter="eagle", base_kind="smollm2", base=model)
-    with pytest.raises(ValueError, match="holds a drafter for SmolLM2, not the tiny GPT: run `python train_heads.py`"):
+    with pytest.raises(RunError, match="holds a drafter for SmolLM2, not the tiny GPT: run `python train_heads.py"):
         load_model(path, drafter="medusa", base_kind="gpt", base=model)
     gpt_heads = MedusaModel(GPT(tiny_config()), num_heads=2).heads.state_dict()
-    save_checkpoint(path, base=SMOLLM2_BASE, drafter=drafter, model={"heads." + k: v for k, v in gpt_heads.items()})
-    with pytest.raises(ValueError, match="does not hold a medusa-mini medusa model"):
+    save(path, base=SMOLLM2_BASE, drafter=drafter, done=True, model={"heads." + k: v for k, v in gpt_heads.items()})
+    with pytest.raises(RunError, match="does not hold a medusa-mini medusa model"):
         load_model(path, base_kind="smollm2", base=model)
-    torch.save({"heads": gpt_heads, "num_heads": 2}, path)  # the layout before drafters were named
-    with pytest.raises(ValueError, match="earlier medusa-mini.*run `python train_heads.py --base smollm2`"):
+    torch.save({"heads": gpt_heads, "num_heads": 2}, path)  # a layout before drafters were named
+    with pytest.raises(RunError, match="not a medusa-mini checkpoint.*run `python train_heads.py --base smollm2"):
         load_model(path, drafter="medusa", base_kind="smollm2", base=model)
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a readable medusa-mini checkpoint"):
+    with pytest.raises(RunError, match="not a readable medusa-mini checkpoint"):
         load_model(path, base_kind="smollm2", base=model)

@@ -5,20 +5,24 @@ computes something, whatever the number of tokens, and every read of a tensor's 
 makes the CPU wait for the GPU. Both are counted exactly with a TorchDispatchMode, so they can be
 tested where timings cannot.
 
-The two bounding tests grade efficiency (assignments.toml, `efficiency`): grade.py reports what they
-record (record_property) beside the reference's figures and their bounds, and never fails a correct
-assignment on them; `python -m pytest` holds the reference code to the bounds."""
+The two bounding tests grade efficiency (kit/assignments.toml, `efficiency`): kit/grade.py reports what
+they record (record_property) beside the reference's figures and their bounds, and never fails a
+correct assignment on them; `python -m pytest` holds the reference code to the bounds. The bounds guard
+against a step that regresses (rebuilt per call, a loop over the heads, a second read from the
+device), not against the few ops a readable step spends (docs/results.md: what they cost)."""
 import pytest
 import torch
 
-from measure import OpCounter, count_ops
 from conftest import random_medusa
+from lab import drafters
+from lab.probes import OpCounter, count_ops
 from tree import dense_tree
 
 TREE = dense_tree([2, 2, 1, 1])  # 2 + 4 + 4 + 4 = 14 nodes, depth 4
 HOST_READS_BOUND = 1           # host reads per step, any mode
-OPS_RATIO_BOUND = 1.30         # ops per step over ops per plain token
-REFERENCE_OPS_PER_STEP = 70.8  # what the reference code counts (tests/test_assignments.py checks it)
+OPS_RATIO_BOUND = 1.35         # ops per step over ops per plain token
+REFERENCE_OPS_PER_STEP = 73.8  # what the reference code counts (kit/tests/test_kit_copies.py checks it)
+MEDUSA = drafters.get("medusa")
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.7, sampling="typical"),
@@ -28,7 +32,8 @@ def test_greedy_and_typical_steps_read_the_device_once(kwargs, record_property):
     """At most one host read per step (the accept length and best row, read together; with stop
     tokens, whether the run ended too), none per plain token."""
     model = random_medusa(n_layer=4, block_size=128)
-    ops = count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40, **kwargs)
+    ops = count_ops(MEDUSA, model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40, **kwargs)
+    record_property("mode", ", ".join(f"{k}={v}" for k, v in kwargs.items()) or "greedy")
     record_property("host_reads_per_step", ops["host_reads_per_step"])
     record_property("host_reads_bound", HOST_READS_BOUND)
     assert ops["host_reads_per_step"] <= HOST_READS_BOUND, \
@@ -40,28 +45,27 @@ def test_a_step_launches_few_ops_more_than_a_plain_token(record_property):
     """Kernel-launching ops per Medusa step over ops per plain token, for a 4-layer model (the cpu
     preset's depth; op counts do not depend on width) and a 4-deep tree. These heads agree with the
     base, so every step accepts a whole path and moves its cache entries (2 ops): the reference
-    counts REFERENCE_OPS_PER_STEP ops per step against 55 per plain token, 1.29 (the bound is 1.30).
-    Candidates padded by masked_fill or gathered twice, keys and values moved apart or positions
-    added each step would each cost an op more and fail it; a step rebuilt per call or a head loop
-    would put it near 1.6.
+    counts REFERENCE_OPS_PER_STEP ops per step against 55 per plain token, 1.34 (the bound is 1.35).
+    A step rebuilt per call (the tree's buffers made again) or a loop over the heads would put it near
+    1.6.
     Counted as a GPU decodes: a model set to draft in bf16 (on CPUs) is counted drafting in fp32."""
     torch.manual_seed(0)
     model = random_medusa(n_layer=4, block_size=128)
     with torch.no_grad():  # heads that agree with the base, so every step accepts and moves its cache
         for head in model.heads:
             head.residual.weight.zero_()
-    ops = count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)
-    for name, value in [("ops_per_step", ops["medusa_ops_per_step"]), ("ops_ratio", ops["ops_ratio"]),
+    ops = count_ops(MEDUSA, model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)
+    for name, value in [("ops_per_step", ops["ops_per_step"]), ("ops_ratio", ops["ops_ratio"]),
                         ("ops_ratio_bound", OPS_RATIO_BOUND), ("reference_ops_per_step", REFERENCE_OPS_PER_STEP)]:
         record_property(name, value)
     assert ops["tokens_per_step"] > 2, \
         f"{ops['tokens_per_step']:.2f} tokens per step: heads that agree with the base commit whole paths"
     assert ops["ops_ratio"] <= OPS_RATIO_BOUND, (
-        f"{ops['medusa_ops_per_step']:.1f} ops per step, {ops['ops_ratio']:.2f}x a plain token's "
+        f"{ops['ops_per_step']:.1f} ops per step, {ops['ops_ratio']:.2f}x a plain token's "
         f"{ops['plain_ops_per_token']:.0f}: over {OPS_RATIO_BOUND:.2f}; per step by op: "
-        f"{ {op: round(n, 1) for op, n in ops['medusa_ops'].items() if round(n, 1)} }")
+        f"{ {op: round(n, 1) for op, n in ops['ops_by_name'].items() if round(n, 1)} }")
     model.draft_dtype = torch.bfloat16
-    assert count_ops(model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)["ops_ratio"] == ops["ops_ratio"]
+    assert count_ops(MEDUSA, model, torch.tensor([[1, 2, 3, 4]]), TREE, n_new=40)["ops_ratio"] == ops["ops_ratio"]
     assert model.draft_dtype == torch.bfloat16  # restored after counting
 
 

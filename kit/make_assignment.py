@@ -1,14 +1,15 @@
 """Write a student version of medusa-mini for one course assignment.
 
-    python make_assignment.py --list                       # the assignments, what they stub, what grades them
-    python make_assignment.py 2 --out out/assignment-2     # the whole project, assignment 2 stubbed
+    python kit/make_assignment.py --list                       # the assignments, what they stub, what grades them
+    python kit/make_assignment.py 2 --out out/assignment-2     # the whole project, assignment 2 stubbed
 
-assignments.toml says, for each assignment, which functions become stubs (with a short nudge, and a
-full hint that `python grade.py --hint NAME` prints) and which tests grade it. Assignments are handed
+kit/assignments.toml says, for each assignment, which functions become stubs (with a short nudge, and a
+full hint that `python kit/grade.py --hint NAME` prints) and which tests grade it. Assignments are handed
 out in the order of that file: the copy for N also stubs every later assignment's functions (no
 hint), so it holds no solution the student has not written yet, and grade.py grades N on the tests
 that do not need them. A stub keeps its decorators, signature and docstring; its body becomes one
-line, `raise NotImplementedError("Assignment N: <nudge>")`. Functions are found by name with `ast`
+line, `raise NotImplementedError("assignment N: <function>: <nudge>")`: the marker commands and
+notebooks read (lab/stubs.py), and the one line a command prints when it reaches a stub. Functions are found by name with `ast`
 and rewritten by line range, so the rest of every file is copied byte for byte and the source
 carries no solution markers. See docs/instructors.md.
 """
@@ -21,11 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grading import (UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
-                   load_mapping, replace_body)
+from grading import (MAPPING, UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
+                     load_mapping, replace_body)
 
-ROOT = Path(__file__).resolve().parent
-MAPPING = "assignments.toml"
+ROOT = Path(__file__).resolve().parents[1]
 PRIVATE_DIR = "tests/private/"  # the instructor's own tests: never copied into a student version
 # Outside a git checkout: directories and suffixes never copied (mirrors .gitignore).
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".ipynb_checkpoints", ".benchmarks", ".whl", ".gl",
@@ -66,8 +66,8 @@ def later_hint(number) -> str:
 # ----------------------------------------------------------------------------------------------
 # Stubbing: the body after the docstring becomes one raise
 
-def stub_line(indent: str, number, hint: str, newline: str = "\n") -> str:
-    message = f"Assignment {number}: {hint}"
+def stub_line(indent: str, number, name: str, hint: str, newline: str = "\n") -> str:
+    message = f"assignment {number}: {name.rpartition('.')[2]}: {hint}"
     literal = f'"{message}"' if '"' not in message and "\\" not in message else repr(message)
     return f"{indent}raise NotImplementedError({literal}){newline}"
 
@@ -77,7 +77,7 @@ def stub_source(source: str, stubs: list[tuple[str, str]], number) -> str:
     newline = "\r\n" if "\r\n" in source else "\n"
     for name, hint in stubs:
         _, _, indent = body_range(source, name)
-        source = replace_body(source, name, [stub_line(indent, number, hint, newline)])
+        source = replace_body(source, name, [stub_line(indent, number, name, hint, newline)])
     ast.parse(source)  # still valid Python
     return source
 
@@ -127,10 +127,10 @@ def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
 
 
 def student_mapping(number, assignment: dict, later: dict[str, dict] = {}) -> str:
-    """assignments.toml for a student version: its assignment (the default of `python grade.py`), with
+    """assignments.toml for a student version: its assignment (the default of `python kit/grade.py`), with
     its full hints; then the later assignments, stubbed here, with no hints: grade.py needs their tests
     (correctness and efficiency) to know which of this assignment's tests wait for them."""
-    out = [f"# Written by make_assignment.py: assignment {number}, graded with: python grade.py\n",
+    out = [f"# Written by kit/make_assignment.py: assignment {number}, graded with: python kit/grade.py\n",
            f"default = {_toml_string(str(number))}\n"]
     out += _toml_entry(number, assignment, hints=True)
     for m, a in later.items():
@@ -156,7 +156,7 @@ def student_note(number, assignment: dict, line_numbers: dict[str, int], graded:
     if waiting:
         kind = {t: ", efficiency" for t in assignment.get("efficiency", [])}
         later = ("\nThese tests also check your functions, end to end, but need later assignments; they are "
-                 "graded with those (`python grade.py` lists them as LATER):\n\n"
+                 "graded with those (`python kit/grade.py` lists them as LATER):\n\n"
                  + "".join(f"- `{t}` (assignment {m}{kind.get(t, '')})\n" for m, ts in waiting.items() for t in ts))
     name = next(iter(assignment["stubs"])).partition(":")[2].rpartition(".")[2]
     return f"""# Assignment {number}: {assignment['title']}
@@ -168,21 +168,23 @@ The functions of later assignments are stubs too, with no hint: they are not par
 What runs in this copy now, and what waits:
 - **The notebooks** (`jupyter lab notebooks/`) run top to bottom, on a model your instructor trained
   with the reference code (in `out/tiny/`, and in `out/` when there was a full run): a cell that needs
-  an assignment not written yet prints one line saying which, and is skipped.
-- **`python sample.py`** runs once assignments 1 to 4 are written (and 6, for `--drafter eagle`).
+  an assignment not written yet prints one line saying which, and is skipped. To run them all as the
+  tests do: `MEDUSA_FAST=1 python -m pytest --nbmake notebooks`.
+- **`python sample.py --out out/tiny`** (the model the copy came with) runs once assignments 1 to 4 are
+  written (and 6, for `--drafter eagle`).
 - **`python train_heads.py`, `benchmark.py` and `ablation.py`** run the whole pipeline, which needs
   every assignment: until then each stops with one line naming the first it waits for.
 
 | function | where | nudge |
 |---|---|---|
 {rows}
-Stuck? `python grade.py --hint NAME` prints the full hint for a function, e.g.
-`python grade.py --hint {name}`. Try the docstring and the failing test's message first.
+Stuck? `python kit/grade.py --hint NAME` prints the full hint for a function, e.g.
+`python kit/grade.py --hint {name}`. Try the docstring and the failing test's message first.
 
 ## Grade yourself
 
 ```bash
-python grade.py
+python kit/grade.py
 ```
 
 runs exactly the tests that grade this assignment and prints PASS or FAIL per test with the
@@ -190,7 +192,7 @@ number of cases passed, and for a failure what differed; then `correct: yes` or 
 line what a step costs (`efficiency:` ops and host reads per step against the reference's and the
 bounds, once a whole step runs). It exits with 0 when every correctness test passes, however many
 ops your step takes.
-`python grade.py --tb short` adds the tracebacks; `python -m pytest "TEST"` runs one test. (The
+`python -m pytest "TEST"` runs one test, with its traceback. (The
 whole suite, `python -m pytest`, also runs tests of later assignments, which fail in this copy.)
 The tests:
 
@@ -222,22 +224,25 @@ def clear_leaking_outputs(notebook: str, lines) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n" if changed else notebook
 
 
-RUN_FILES = ("base.pt", "medusa.pt", "eagle.pt", "distill.pt", "bpe", "train_ids", "val_ids")  # a run's own files
+def run_files() -> tuple:
+    """The files of a run folder a copy needs: checkpoints, tokenizer, token ids."""
+    from lab import drafters
+    return ("base.pt", "distill.pt", "bpe", "train_ids", "val_ids") + tuple(f"{n}.pt" for n in drafters.names())
 
 
 def copy_trained_runs(root: Path, out: Path):
     """The instructor's trained models into a copy, for its notebooks and sample.py, which then need no
-    pipeline: the tiny preset's run (training.tiny_run: trained now with the reference code when there
-    is none) into out/tiny/, and the full run, where it has finished, into out/."""
-    import training  # torch: only when a copy gets a model
-    runs = [Path(training.tiny_run(root / "out"))]
-    if training.run_finished(root / "out" / "medusa.pt"):
+    pipeline: the tiny preset's run (lab/gpt_pipeline.tiny_run: trained now with the reference code when
+    there is none) into out/tiny/, and the full run, where it has finished, into out/."""
+    from lab import gpt_pipeline  # torch: only when a copy gets a model
+    runs = [Path(gpt_pipeline.tiny_run(root / "out"))]
+    if gpt_pipeline.run_finished(root / "out" / "medusa.pt"):
         runs.append(root / "out")
     for run in runs:
         target = out / run.relative_to(root)
         target.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(run):
-            if name.startswith(RUN_FILES):
+            if name.startswith(run_files()):
                 shutil.copy2(run / name, target / name)
 
 
@@ -263,7 +268,10 @@ def make_assignment(number, out, root=ROOT, in_sequence=True, models=True) -> li
             if file not in files:
                 raise UsageError(f"{file} (stubs of assignment {n}) is not a project file")
             source = stubbed.get(file) or read_source(root / file)
-            stubbed[file] = stub_source(source, [(name, hint or h) for name, h in stubs], n)
+            try:
+                stubbed[file] = stub_source(source, [(name, hint or h) for name, h in stubs], n)
+            except (LookupError, ValueError) as e:  # the mapping names a function the file does not hold
+                raise UsageError(f"{MAPPING}, assignment {n}, {file}: {e}") from None
     for key in assignment["stubs"]:
         file, _, name = key.partition(":")
         line_numbers[key] = find_function(ast.parse(stubbed[file]), name).lineno
@@ -321,7 +329,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None):
     parser = _Parser(description="Write a student version of medusa-mini for one assignment.")
     parser.add_argument("number", nargs="?", help="the assignment to stub, as numbered in assignments.toml")
-    parser.add_argument("--out", help="directory to write the student version into (new or empty)")
+    parser.add_argument("--out", help="directory to write the student version into (new or empty; default: "
+                                      "out/assignment-N)")
     parser.add_argument("--list", action="store_true", help="print the assignments and exit")
     parser.add_argument("--keep-later", action="store_true",
                         help="leave later assignments' functions solved (their reference code is then in the "
@@ -331,10 +340,13 @@ def main(argv=None):
         if args.list:
             print_table(load_mapping(ROOT / MAPPING))
             return 0
-        if args.number is None or args.out is None:
-            raise UsageError("give an assignment number and --out DIR (or --list)")
+        if args.number is None:
+            raise UsageError("give an assignment number (or --list)")
+        if args.out is not None and not args.out.strip():
+            raise UsageError("--out: give a directory")
+        args.out = args.out or str(ROOT / "out" / f"assignment-{args.number}")
         files = make_assignment(args.number, args.out, in_sequence=not args.keep_later)
-    except (UsageError, OSError, LookupError, ValueError) as e:
+    except (UsageError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     mapping = load_mapping(ROOT / MAPPING)
@@ -343,7 +355,7 @@ def main(argv=None):
     print(f"Wrote {len(files)} files to {args.out}: assignment {args.number}, {a['title']}.")
     print(f"Stubbed: {', '.join(k.replace(':', ' ') for k in a['stubs'])}"
           + (f"; and, with no hint, the functions of assignment(s) {', '.join(later)}." if later else "."))
-    print(f"Students read {os.path.join(args.out, 'ASSIGNMENT.md')} and grade with: cd {args.out} && python grade.py")
+    print(f"Students read {os.path.join(args.out, 'ASSIGNMENT.md')} and grade with: cd {args.out} && python kit/grade.py")
     return 0
 
 

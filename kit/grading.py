@@ -1,28 +1,34 @@
 """The assignment kit's machinery: functions found by name (make_assignment.py stubs them), which
 tests grade an assignment and which wait for a later one, running them in this process, and the
-mutation check that plants known bugs. The commands grade.py and make_assignment.py use it; see
-docs/instructors.md.
+mutation check that plants known bugs. The commands kit/grade.py and kit/make_assignment.py use it;
+see docs/instructors.md and kit/tests/README.md.
 
 An assignment is graded for correctness (its `tests`: it passes when they all pass) and, apart,
 for efficiency (its `efficiency` tests: what a step costs, measured and reported, never failed).
+A stub is one line, `raise NotImplementedError("assignment N: name: nudge")` (lab/stubs.py reads it).
 """
 import ast
 import contextlib
-import importlib
-import inspect
 import io
 import math
 import os
 import re
+import shutil
 import sys
+import tempfile
 import textwrap
 import time
 import tomllib
-from unittest import mock
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-MAPPING = "assignments.toml"
-MUTANTS = "mutants.toml"  # instructors only: never copied into a student version
+KIT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(KIT)  # the project: the kit is one folder down
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from lab import stubs  # noqa: E402  (the kit uses the lab; the lab never uses the kit)
+
+MAPPING = "kit/assignments.toml"
+MUTANTS = "kit/mutants.toml"  # instructors only: never copied into a student version
 
 
 class UsageError(Exception):
@@ -83,40 +89,13 @@ def replace_body(source: str, name: str, new_body: list[str]) -> str:
 
 
 def is_stub(source: str, name: str) -> bool:
-    """Is the body of `name`, after its docstring, a single `raise NotImplementedError(...)`?"""
-    func = find_function(ast.parse(source), name)
-    body = func.body[1:] if _has_docstring(func) else func.body
-    exc = body[0].exc if len(body) == 1 and isinstance(body[0], ast.Raise) else None
-    return getattr(getattr(exc, "func", exc), "id", None) == "NotImplementedError"
+    """Is the body of `name`, after its docstring, one `raise NotImplementedError("assignment ...")`?"""
+    return stubs.stub_message(find_function(ast.parse(source), name)) is not None
 
 
-def stubbed_here(assignment: dict, root=ROOT) -> bool:
-    """Is any function of this assignment still a stub in the copy at `root`?"""
-    for key in assignment["stubs"]:
-        file, _, name = key.partition(":")
-        try:
-            with open(os.path.join(root, file), encoding="utf-8") as f:
-                if is_stub(f.read(), name):
-                    return True
-        except (OSError, LookupError, SyntaxError):
-            continue  # a missing or broken function fails its tests anyway
-    return False
-
-
-def require(numbers, command: str, root=ROOT):
-    """For a command run in a student copy: a ValueError naming the first of these assignments (None:
-    all of them) whose functions are still stubs here, so that the command stops with one line before
-    doing anything. In the full project (no stubs) it costs a parse of the stubbed files."""
-    try:
-        assignments = load_mapping(os.path.join(root, MAPPING))["assignment"]
-    except (OSError, tomllib.TOMLDecodeError):
-        return
-    for n, a in assignments.items():
-        if numbers is not None and n not in numbers:
-            continue
-        if stubbed_here(a, root):
-            raise ValueError(f"{command} needs assignment {n} ({a['title']}), still stubs in this copy: "
-                             f"write it, and check it with `python grade.py {n}`")
+def stubbed_here(number, root=ROOT) -> bool:
+    """Is any function of assignment `number` still a stub in the copy at `root`?"""
+    return not stubs.written(int(number), root)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,7 +122,7 @@ def waiting(assignments: dict, n: str, later_stubbed=None) -> dict[str, str]:
     pass before m is done."""
     order = list(assignments)
     if later_stubbed is None:
-        later_stubbed = [m for m in order[order.index(n) + 1:] if stubbed_here(assignments[m])]
+        later_stubbed = [m for m in order[order.index(n) + 1:] if stubbed_here(m)]
     out = {}
     for spec in _specs(assignments[n]):
         for m in later_stubbed:
@@ -168,21 +147,17 @@ def is_efficiency_test(assignments: dict, spec: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Running tests in this process
 
-def _message(longrepr) -> str:
-    """One line saying why: the exception line of a failure or collection error. A failed
-    pytest.raises(match=...) also says what it expected and what it got (pytest puts those on the
-    lines after "Regex pattern did not match.")."""
-    crash = getattr(longrepr, "reprcrash", None)
-    if crash is not None:
-        where = os.path.relpath(crash.path, ROOT) if os.path.isabs(crash.path) else crash.path
-        first, *rest = crash.message.strip().splitlines() or [""]
-        # older pytest writes " Regex: ..." and " Input: ...", pytest 9 "Expected regex:" and "Actual message:"
-        regex = [line.strip() for line in rest
-                 if re.match(r"\s*(Regex|Input|Expected regex|Actual message):", line)]
-        return f"{where}:{crash.lineno}: {first}" + (f" {'; '.join(regex)}" if regex else "")
-    lines = [line.strip() for line in str(longrepr).splitlines() if line.strip()]
+def _message(text: str) -> str:
+    """One line saying why a test failed, from its report's longreprtext: where (file:line) and the error,
+    and for a failed pytest.raises(match=...) what it expected and what it got."""
+    block = text.split("During handling of the above exception, another exception occurred:")[-1]
+    lines = [line for line in block.splitlines() if line.strip()]
     errors = [line[1:].strip() for line in lines if line.startswith("E ")]
-    return (errors or lines or [""])[-1]
+    where = [re.match(r"(\S+:\d+)", line).group(1) for line in lines if re.match(r"\S+:\d+: ", line)]
+    if not errors:
+        return (lines or [""])[-1].strip()
+    details = [e for e in errors[1:] if re.match(r"(Regex|Input|Expected regex|Actual message):", e)]
+    return (f"{where[-1]}: " if where else "") + errors[0] + (f" {'; '.join(details)}" if details else "")
 
 
 class _Recorder:
@@ -206,7 +181,7 @@ class _Recorder:
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self.collect_errors[report.nodeid] = _message(report.longrepr)
+            self.collect_errors[report.nodeid] = _message(report.longreprtext)
 
     def pytest_runtest_logreport(self, report):
         case = self.cases.setdefault(report.nodeid, {"outcome": "passed", "message": "", "measures": {}})
@@ -214,36 +189,37 @@ class _Recorder:
         if case["outcome"] != "passed":
             return  # keep the first problem (a setup error, then the call is not run)
         if report.failed:
-            case.update(outcome="failed" if report.when == "call" else "error", message=_message(report.longrepr))
+            case.update(outcome="failed" if report.when == "call" else "error", message=_message(report.longreprtext))
         elif report.skipped:
-            case.update(outcome="skipped", message=_message(report.longrepr))
+            case.update(outcome="skipped", message=_message(report.longreprtext))
 
 
-def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str, dict]:
-    """Run the tests matching `specs` (node ids, test names or files) in this process.
+def run_tests(specs, pytest_args=(), in_spec_order=False, root=ROOT) -> dict[str, dict]:
+    """Run the tests matching `specs` (node ids, test names or files) of the project at `root`, in this process.
 
     Returns {nodeid: {"outcome": passed/failed/error/skipped, "message": one line, "measures": what
     the test recorded with record_property}}. A spec whose file does not import, or that matches
     nothing, gets one entry under its own name, "not run: why".
     in_spec_order: run in the order of `specs` rather than the files' (to fail fast with -x)."""
     import pytest
-    os.chdir(ROOT)
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
+    here = os.getcwd()
+    os.chdir(root)
     files = sorted({s.split("::")[0] for s in specs if os.path.exists(s.split("::")[0])})
     recorder = _Recorder(specs, in_spec_order)
-    if files:  # pytest with no paths would run the whole suite
-        # Options of our own, not pytest.ini's addopts, and no plugin that happens to be installed: grading
-        # must not depend on them (the graded tests use none), and loading them slows every run.
-        with mock.patch.dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"):  # restored afterwards
-            pytest.main(["-o", "addopts=", "-q", "-rN", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                         *pytest_args, *files], plugins=[recorder])
+    try:
+        if files:  # pytest with no paths would run the whole suite
+            # Options of our own, not pytest.ini's addopts: grading must not depend on them.
+            with contextlib.redirect_stdout(io.StringIO()):
+                pytest.main(["-o", "addopts=", "-q", "--tb=short", "-p", "no:cacheprovider",
+                             "--continue-on-collection-errors", *pytest_args, *files], plugins=[recorder])
+    finally:
+        os.chdir(here)
     cases = dict(recorder.cases)
     for spec in specs:
         if not any(matches(nodeid, spec) for nodeid in cases) and "-x" not in pytest_args:
             file = spec.split("::")[0]
             why = (f"{file} does not import: {recorder.collect_errors[file]}" if file in recorder.collect_errors
-                   else "no such test" if os.path.exists(file) else "no such file")
+                   else "no such test" if os.path.exists(os.path.join(root, file)) else "no such file")
             cases[spec] = {"outcome": "error", "message": f"not run: {why}", "measures": {}}
     return cases
 
@@ -251,7 +227,7 @@ def run_tests(specs, pytest_args=("--tb=no",), in_spec_order=False) -> dict[str,
 # ----------------------------------------------------------------------------------------------
 # Grading
 
-def grade(assignments: dict, numbers, pytest_args=("--tb=no",)) -> list[dict]:
+def grade(assignments: dict, numbers, pytest_args=()) -> list[dict]:
     """Run the tests of the given assignments once. Per assignment: one row per correctness test,
     `correct` (= `passed`, the exit status) when they all pass; and apart, `efficiency`: one row per
     efficiency test, what they measured and a one-line summary. Efficiency never fails an assignment."""
@@ -288,11 +264,15 @@ def grade(assignments: dict, numbers, pytest_args=("--tb=no",)) -> list[dict]:
 
 
 def worst(measures: list[dict]) -> dict:
-    """The measures of several cases (host reads in each decoding mode, ...) merged: the largest of each."""
+    """The measures of several cases (host reads in each decoding mode, ...) merged: the largest of each
+    number, and with the largest host reads the mode that read them ("mode", when a case recorded one)."""
     out = {}
     for m in measures:
         for key, value in m.items():
-            out[key] = max(out.get(key, value), value)
+            if isinstance(value, (int, float)) and value >= out.get(key, value):
+                out[key] = value
+                if key == "host_reads_per_step" and "mode" in m:
+                    out["host_reads_mode"] = m["mode"]
     return out
 
 
@@ -307,7 +287,8 @@ def describe_efficiency(m: dict, later=(), messages=()) -> str:
                      f"{m['ops_ratio']:.2f}x a plain token (bound {m['ops_ratio_bound']:.2f}{over})")
     if "host_reads_per_step" in m:
         reads, bound = m["host_reads_per_step"], m["host_reads_bound"]
-        parts.append(f"{reads:.2f} host read{'' if reads == 1 else 's'} per step "
+        mode = f" with {m['host_reads_mode']}" if "host_reads_mode" in m else ""
+        parts.append(f"{reads:.2f} host read{'' if reads == 1 else 's'} per step{mode} "
                      f"(bound {bound:g}{': over' if reads > bound else ''})")
     if parts:
         return "; ".join(parts)
@@ -383,105 +364,116 @@ class MutantError(Exception):
     """A planted fault that no longer fits the code: its snippet or function has changed."""
 
 
-@contextlib.contextmanager
-def planted(fault: dict):
-    """Run the code with one function rewritten: its `replace` snippet (exactly once in the function)
-    replaced by `with`, or its body after the docstring replaced by `body`. The function object keeps
-    its identity (its __code__ is swapped), so every `from module import name` sees the fault. A method
-    whose rewrite no longer calls super() (its code lost the __class__ cell) is replaced on its class."""
+def planted_source(source: str, fault: dict) -> str:
+    """`source` with one function rewritten: its `replace` snippet (exactly once in the function) replaced
+    by `with`, or its body after the docstring replaced by `body`. A MutantError when it no longer fits."""
     file, _, name = fault["function"].partition(":")
-    with open(os.path.join(ROOT, file), encoding="utf-8") as f:
-        source = f.read()
     try:
         node = find_function(ast.parse(source), name)
     except LookupError as e:
         raise MutantError(f"{fault['name']!r} no longer applies: {e} in {file}") from None
     lines = source.splitlines(keepends=True)
-    text = "".join(lines[node.lineno - 1:node.end_lineno])  # from `def`, without decorators
+    start = node.lineno - 1
+    text = "".join(lines[start:node.end_lineno])  # from `def`, without decorators
     if "replace" in fault:
         count = text.count(fault["replace"])
         if count != 1:
             raise MutantError(f"{fault['name']!r} no longer applies: snippet {fault['replace']!r} "
                               f"{'not found' if count == 0 else f'found {count} times'} in {name}")
-        text = text.replace(fault["replace"], fault["with"])
-    text = textwrap.dedent(text)
-    if "body" in fault:
-        indent = body_range(text, name.rpartition(".")[2])[2]
-        text = replace_body(text, name.rpartition(".")[2], [textwrap.indent(textwrap.dedent(fault["body"]), indent)])
-    module = importlib.import_module(os.path.splitext(file)[0])
-    *classes, short = name.split(".")
-    if classes:  # compiled inside a class, so that super() finds its __class__ cell as in the original
-        text = f"class {classes[-1]}:\n" + textwrap.indent(text, "    ")
-    namespace = dict(vars(module))
-    exec(compile("\n" * (node.lineno - 1 - bool(classes)) + text, os.path.join(ROOT, file), "exec"), namespace)
-    owner = module
-    for cls in classes:
-        owner = getattr(owner, cls)
-    new = vars(namespace[classes[-1]])[short] if classes else namespace[short]
-    live = inspect.unwrap(vars(owner)[short])
-    original, attribute = live.__code__, vars(owner)[short]
-    swap = new.__code__.co_freevars == original.co_freevars
-    if not swap and not classes:
-        raise MutantError(f"{fault['name']!r}: the rewrite of {name} needs other closure variables")
-    _clear_caches()
-    if swap:
-        live.__code__ = new.__code__
-    else:
-        setattr(owner, short, new)
+        return "".join(lines[:start]) + text.replace(fault["replace"], fault["with"]) + "".join(lines[node.end_lineno:])
+    indent = body_range(source, name)[2]
+    return replace_body(source, name, [textwrap.indent(textwrap.dedent(fault["body"]), indent)])
+
+
+def workspace(root=ROOT) -> str:
+    """A scratch copy of the project's code and tests (what the graded tests import), for planting faults."""
+    scratch = tempfile.mkdtemp(prefix="medusa-mutants-")
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in {".git", "out", "__pycache__", ".pytest_cache", "notebooks", "docs"}]
+        for name in files:
+            if name.endswith((".py", ".toml", ".ini")):
+                src = os.path.join(folder, name)
+                dst = os.path.join(scratch, os.path.relpath(src, root))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copy2(src, dst)
+    return scratch
+
+
+def forget_modules(*roots):
+    """Drop from sys.modules every module loaded from these folders, so that the next import reads the
+    files as they are now (a planted fault, then the original)."""
+    roots = [os.path.abspath(r) + os.sep for r in roots]
+    for name, module in list(sys.modules.items()):
+        path = os.path.abspath(getattr(module, "__file__", None) or os.sep)
+        if name != "__main__" and not path.startswith(KIT + os.sep) and any(path.startswith(r) for r in roots):
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def planted(fault: dict, scratch: str):
+    """The scratch copy with the fault written into its file for the duration of the block."""
+    file = fault["function"].partition(":")[0]
+    path = os.path.join(scratch, file)
+    with open(path, encoding="utf-8") as f:
+        original = f.read()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(planted_source(original, fault))
     try:
         yield
     finally:
-        if swap:
-            live.__code__ = original
-        else:
-            setattr(owner, short, attribute)
-        _clear_caches()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(original)
 
 
-def _clear_caches():
-    """Forget what the project's functools caches hold (tree buffers, ...): built by other code."""
-    for module in list(sys.modules.values()):
-        if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == ROOT:
-            for value in list(vars(module).values()):
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
+def run_planted(fault, specs, scratch, pytest_args=()):
+    """run_tests on the scratch copy with `fault` planted, its modules imported afresh."""
+    with planted(fault, scratch):
+        forget_modules(scratch, ROOT)
+        sys.path.insert(0, scratch)
+        try:
+            return run_tests(specs, pytest_args, in_spec_order=True, root=scratch)
+        finally:
+            sys.path.remove(scratch)
+            forget_modules(scratch)
 
 
 def check_mutants(assignments: dict, data: dict, numbers) -> list[dict]:
-    """Each fault: run its tests with it planted, stopping at the first failure. Each equivalent (a
-    correct rewrite): its tests must all pass, so a check that fails everything cannot pass for one
-    that works. A slower equivalent must also cost more ops per step than the reference, measured by
-    the assignment's efficiency tests: correct, and reported slower, never failed for it."""
-    rows = []
-    for kind in ("mutant", "equivalent"):
-        for fault in data.get(kind, []):
-            if fault["assignment"] not in numbers:
-                continue
-            row = dict(kind=kind, assignment=fault["assignment"], name=fault["name"], function=fault["function"])
-            start = time.perf_counter()
-            try:
-                with planted(fault), contextlib.redirect_stdout(io.StringIO()):
-                    # -p no:unraisableexception: its gc.collect() calls cost 1.5 s a run
-                    cases = run_tests(fault["tests"], ("--tb=no", "-p", "no:unraisableexception")
-                                      + (("-x",) if kind == "mutant" else ()), in_spec_order=True)
-                    if fault.get("slower"):
-                        spent = run_tests(assignments[fault["assignment"]]["efficiency"],
-                                          ("--tb=no", "-p", "no:unraisableexception"))
-            except MutantError as e:
-                row.update(ok=False, stale=True, by="", message=f"mutant {e}")
-            else:
-                failed = [(nodeid, c) for nodeid, c in cases.items() if c["outcome"] != "passed"]
-                by, message = (failed[0][0], failed[0][1]["message"]) if failed else ("", "")
-                row.update(ok=bool(failed) == (kind == "mutant"), by=by, message=message, cases=len(cases))
-                if fault.get("slower"):
-                    measures = worst([c["measures"] for c in spent.values()])
-                    more = measures.get("ops_per_step", -math.inf) > measures.get("reference_ops_per_step", math.inf)
-                    summary = describe_efficiency(measures, messages=[c["message"] for c in spent.values()])
-                    row["efficiency"] = dict(measures=measures, summary=summary)
-                    if row["ok"] and not more:
-                        row.update(ok=False, message=f"not slower than the reference: {row['efficiency']['summary']}")
-            row["seconds"] = round(time.perf_counter() - start, 2)
-            rows.append(row)
+    """Each fault: its tests with it planted (in a scratch copy of the project), stopping at the first
+    failure. Each equivalent (a correct rewrite): its tests must all pass, so a check that fails
+    everything cannot pass for one that works. A slower equivalent must also cost more ops per step
+    than the reference, measured by the assignment's efficiency tests: it is correct, and reported
+    slower, never failed for it."""
+    rows, scratch = [], workspace()
+    try:
+        for kind in ("mutant", "equivalent"):
+            for fault in data.get(kind, []):
+                if fault["assignment"] not in numbers:
+                    continue
+                rows.append(check_one(kind, fault, assignments, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return rows
 
 
+def check_one(kind, fault, assignments, scratch) -> dict:
+    row = dict(kind=kind, assignment=fault["assignment"], name=fault["name"], function=fault["function"])
+    start = time.perf_counter()
+    try:
+        cases = run_planted(fault, fault["tests"], scratch, ("-x",) if kind == "mutant" else ())
+        if fault.get("slower"):
+            spent = run_planted(fault, assignments[fault["assignment"]]["efficiency"], scratch)
+    except MutantError as e:
+        row.update(ok=False, stale=True, by="", message=f"mutant {e}")
+    else:
+        failed = [(nodeid, c) for nodeid, c in cases.items() if c["outcome"] != "passed"]
+        by, message = (failed[0][0], failed[0][1]["message"]) if failed else ("", "")
+        row.update(ok=bool(failed) == (kind == "mutant"), by=by, message=message, cases=len(cases))
+        if fault.get("slower"):
+            measures = worst([c["measures"] for c in spent.values()])
+            more = measures.get("ops_per_step", -math.inf) > measures.get("reference_ops_per_step", math.inf)
+            summary = describe_efficiency(measures, messages=[c["message"] for c in spent.values()])
+            row["efficiency"] = dict(measures=measures, summary=summary)
+            if row["ok"] and not more:
+                row.update(ok=False, message=f"not slower than the reference: {row['efficiency']['summary']}")
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row

@@ -1,31 +1,31 @@
 """Grade a course assignment: run exactly its tests and print a score per test.
 
-    python grade.py                    # this copy's assignment (the full project: every assignment)
-    python grade.py 2                  # assignment 2 only (in the full project every assignment passes)
-    python grade.py --hint keep        # the full hint for a function of this copy's assignment
-    python grade.py --tb short         # also show pytest's tracebacks of the failures
-    python grade.py --json out.json    # the results, for an autograder
-    python grade.py --mutants          # instructors: plant known bugs, check that the tests catch each one
+    python kit/grade.py                    # this copy's assignment (the full project: every assignment)
+    python kit/grade.py 2                  # assignment 2 only (in the full project every assignment passes)
+    python kit/grade.py --hint keep        # the full hint for a function of this copy's assignment
+    python kit/grade.py --json out.json    # the results, for an autograder
+    python kit/grade.py --mutants          # instructors: plant known bugs, check that the tests catch each one
 
-Which tests grade which assignment is written in assignments.toml. Correctness and efficiency are
+Which tests grade which assignment is written in kit/assignments.toml. Correctness and efficiency are
 graded apart: an assignment passes ("correct: yes", exit status 0) when every correctness test
 passes; its efficiency tests (ops and host reads per step) are run and reported on their own line,
 against the reference's figures and the bounds, and never fail it. Private tests (files in
 tests/private/, listed under `private`) are graded when present and announced when not. A test that
 also grades a later assignment whose functions are still stubs in this copy waits for that
 assignment ("LATER"): it cannot pass before them. A mistake on the command line prints one line,
-`error: ...`, and exits with 2.
+`error: ...`, and exits with 2. A failure's traceback: `python -m pytest "TEST"`.
 See docs/instructors.md.
 """
 import argparse
-import json
+import importlib.util
 import os
 import sys
 import textwrap
 import tomllib
 
-from grading import (MAPPING, MUTANTS, UsageError, check_mutants, grade, hint, load_mapping,
+from grading import (MAPPING, MUTANTS, UsageError, check_mutants, grade, hint, load_mapping,  # noqa: E402
                      load_mutants)
+from lab import folder  # noqa: E402
 
 def print_row(status: str, r: dict, note: str = ""):
     print(f"  {status}  {r['passed']:>2}/{r['cases']:<2}  {r['test']}{note}")
@@ -100,8 +100,6 @@ def main(argv=None):
     parser = _Parser(description="Run exactly the tests of an assignment and print a score per test.")
     parser.add_argument("numbers", nargs="*", metavar="N",
                         help="assignments to grade (default: this copy's assignment; in the full project, all)")
-    parser.add_argument("--tb", default="no", choices=["no", "line", "short", "long"],
-                        help="pytest traceback style for failures (default: no, the table gives one line each)")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE")
     parser.add_argument("--hint", metavar="NAME", help="print the full hint for a function of this assignment and exit")
     parser.add_argument("--mutants", action="store_true",
@@ -109,15 +107,22 @@ def main(argv=None):
                              "the assignment's correctness tests catch it")
     try:
         args = parser.parse_args(argv)
-        json_path = os.path.abspath(args.json) if args.json else None  # before run_tests changes directory
+        json_path = os.path.abspath(args.json) if args.json is not None else None  # before run_tests changes directory
+        if json_path is not None and (not args.json.strip() or os.path.isdir(json_path)):
+            raise UsageError(f"--json {args.json!r}: give a file to write, not a folder")
         if json_path and not os.path.isdir(os.path.dirname(json_path)):
             raise UsageError(f"--json {args.json}: no directory {os.path.dirname(json_path)}")
+        if args.hint is not None and not args.hint.strip():
+            raise UsageError("--hint: give a function's name, e.g. --hint evaluate_posterior")
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError(f"torch is not installed for this Python ({sys.executable}): the tests need it "
+                             f"(pip install torch==2.13.0 on a CPU-only machine, then pip install -r requirements.txt)")
         try:
             mapping = load_mapping()
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UsageError(f"cannot read {MAPPING}: {e}") from None
         assignments = mapping["assignment"]
-        if args.hint:
+        if args.hint is not None:
             print(hint(assignments, args.hint), end="")
             return 0
         unknown = [n for n in args.numbers if n not in assignments]
@@ -134,15 +139,14 @@ def main(argv=None):
         print_mutants(rows, assignments)
         passed, out = all(r["ok"] for r in rows), dict(mutants=rows)
     else:
-        results = grade(assignments, numbers, [f"--tb={args.tb}"])
+        results = grade(assignments, numbers)
         for result in results:
             print_report(result)
         passed, out = all(r["passed"] for r in results), dict(assignments=results)
         if len(results) > 1:
             print(f"\n{sum(r['passed'] for r in results)}/{len(results)} assignments pass")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(passed=passed, **out), f, indent=1)
+        folder.write_json(json_path, dict(passed=passed, **out), indent=1)
     return 0 if passed else 1
 
 
