@@ -248,7 +248,8 @@ def evaluate_posterior(logits, candidates, temperature: float = 0.0, posterior_t
     Nothing accepted anywhere: best 0, accept 0, in both modes.
     stop_tokens (k,): a row also ends after its first stop token (the stop itself can be accepted;
     the root counts too); `stopped` says whether the best row's accepted run ends with one.
-    Returns Accepted(best, accept, stopped), Python values: the step's one read from the device."""
+    Returns Accepted(best, accept, stopped), Python values: the step's one read from the device.
+    A ValueError when the logits are not (P, L, V) for the candidates (P, L)."""
     P, L = candidates.shape
     if logits.shape[:2] != (P, L):
         raise ValueError(f"logits {tuple(logits.shape)} must be (P, L, V) for candidates {tuple(candidates.shape)}")

@@ -104,13 +104,11 @@ def check_stage(path, asked: dict, resume=False, retrain=False, device="cpu"):
     `retrain` allows training it again). Otherwise one line (RunError): the checkpoint holds another
     stage, or was trained with other settings or from other files, or is unfinished and --resume was
     not given."""
-    if not os.path.exists(path):
+    if not os.path.exists(path) or retrain:
         return None
     ckpt = load(path, device)
     held = ckpt.get("stage") or {}
     stage = asked["name"]
-    if retrain:
-        return None
     if held.get("name") != stage:
         raise RunError(f"{path} holds the {held.get('name', 'unknown')!r} stage, not {stage!r} (a file moved or "
                        f"renamed?): put it back, or use another --out")
@@ -231,6 +229,8 @@ def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
         missing = [k for k in missing if ckpt["base"]["kind"] == "gpt" or not k.startswith("base.")]
         if missing or unexpected:
             raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    except NotImplementedError:  # a student copy's stub (a RuntimeError too): the copy's own message
+        raise
     except (KeyError, TypeError, RuntimeError) as e:  # a foreign or damaged state dict
         raise RunError(f"{path} does not hold a medusa-mini {kind} model ({type(e).__name__}: "
                        f"{str(e).splitlines()[0][:160]})") from None

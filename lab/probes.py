@@ -5,7 +5,7 @@
 - Where a step's time goes (breakdown): drafting, the tree forward and the bookkeeping, in real
   decoding against each part alone.
 - The exact-sampling distribution (true_joint, chi_square, chi_square_family): draws against the
-  model's own probabilities.
+  model's own probabilities, with a check of the test's power (shifted_marginal, draws_from).
 - The exact-sampling ceiling (exact_sampling_ceiling): tokens per step our drafters could reach,
   against the best any Medusa heads, or a perfect conditional drafter, could.
 Any drafter: each takes a registry entry (lab/drafters.py), never a drafter's name.
@@ -265,6 +265,72 @@ def chi_square(counts, probs):
     p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
     cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
     return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
+
+
+def _pearson_p(observed, expected):
+    """Pearson's chi-square p-value of observed counts against expected ones, cells expecting under 5 pooled."""
+    observed, expected = observed.double().flatten(), expected.double().flatten()
+    small = expected < 5
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum().view(1)])
+        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    stat, df = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()), int(keep.sum()) - 1
+    return stat, df
+
+
+def _survival(stat, df):
+    """P(chi-square with df degrees of freedom > stat)."""
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), torch.tensor(stat / 2,
+                                                                                                dtype=torch.double)))
+
+
+def chi_square_family(counts, probs, alpha=1e-3):
+    """Planned chi-square tests of draws of (x1, ..., xk) against the probabilities they should follow
+    (counts and probs of shape (V,) * k): the joint, each token's marginal, and each token given the
+    ones before it (x_j | x_<j: the per-prefix statistics and degrees of freedom summed). A shift of
+    one token's marginal spreads over many cells in the joint test; its own marginal test sees it.
+    Bonferroni: each test at alpha / (number of tests), so that a correct sampler fails any of them
+    with probability at most alpha. Returns {"p": {test: p-value}, "level", "passed", "worst"}."""
+    counts, probs = counts.double(), probs.double()
+    k = probs.dim()
+    p = {"joint": chi_square(counts, probs)[0]}
+    for j in range(k):
+        others = tuple(i for i in range(k) if i != j)
+        c, q = (counts.sum(others), probs.sum(others)) if others else (counts, probs)
+        p[f"x{j + 1}"] = _survival(*_pearson_p(c, c.sum() * q / q.sum()))
+    for j in range(1, k):
+        later = tuple(range(j + 1, k))
+        c = (counts.sum(later) if later else counts).reshape(-1, probs.shape[j])   # (prefixes, V)
+        q = (probs.sum(later) if later else probs).reshape(-1, probs.shape[j])
+        stat, df = 0.0, 0
+        for row_c, row_q in zip(c, q):
+            if row_c.sum() > 0 and row_q.sum() > 0:
+                s, d = _pearson_p(row_c, row_c.sum() * row_q / row_q.sum())
+                stat, df = stat + s, df + d
+        p[f"x{j + 1} | x<{j + 1}"] = _survival(stat, df)
+    level = alpha / len(p)
+    worst = min(p, key=p.get)
+    return {"p": p, "level": level, "passed": p[worst] > level, "worst": worst}
+
+
+def shifted_marginal(probs, shift=0.03):
+    """probs (V,) * k with `shift` of x1's probability moved between its two likeliest values (where a move
+    is hardest to see), each x1's continuations kept: a sampler that a test must reject."""
+    p1 = probs.sum(tuple(range(1, probs.dim()))) if probs.dim() > 1 else probs
+    a, b = p1.argsort(descending=True)[:2].tolist()
+    q = probs.clone().double()
+    q[a] *= (p1[a] - shift) / p1[a]
+    q[b] *= (p1[b] + shift) / p1[b]
+    return q
+
+
+def draws_from(probs, n, generator=None):
+    """Counts (shape of probs) of n draws straight from probs: a sampler known to be right (or wrong)."""
+    index = torch.multinomial(probs.flatten().double(), n, replacement=True, generator=generator)
+    return index.bincount(minlength=probs.numel()).view(probs.shape).double()
 
 
 # ---------------------------------------------------------------------------------------- the exact-sampling ceiling

@@ -134,7 +134,6 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
             report["tree_size_sweep"].append({"nodes": n, "tokens_per_step": row["tokens_per_step"],
                                               "speedup": row["speedup"], "expected_tokens_per_step":
                                               expected_tokens_per_step(order[:n], first.trees.accuracies)})
-    torch.set_num_threads(threads[-1])
     return report
 
 

@@ -73,3 +73,19 @@ def train_eagle(model, batches, steps, lr, save, seed, resume_from=None, vocab=N
 
     history, _ = train_loop("eagle", [(list(model.eagle.parameters()), 1.0)], loss_fn, steps, lr, save, resume_from)
     return history
+
+
+@torch.no_grad()
+def head_metrics(model, x, y, device):
+    """Per-head loss, top-1 and top-5 accuracy of Medusa heads on one batch of text (head k at t against
+    token t+k+1): x (B, T) tokens, y (B, T) the next ones."""
+    with autocast(device):
+        logits = model.head_logits(model.base.hidden(x)).float()             # (K, B, T, V)
+    _, losses = medusa_loss(logits, y)
+    top1, top5 = [], []
+    for k in range(1, logits.size(0) + 1):
+        target = y[:, k:]                                                    # (B, T-k)
+        guesses = logits[k - 1, :, :y.size(1) - k].topk(5, -1).indices       # (B, T-k, 5)
+        top1.append(float((guesses[..., 0] == target).float().mean()))
+        top5.append(float((guesses == target[..., None]).any(-1).float().mean()))
+    return {"loss": losses.tolist(), "top1": top1, "top5": top5}

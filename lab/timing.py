@@ -6,6 +6,7 @@ running the sides one after the other would hand the drift to one of them. Each 
 CPU thread count from 1 to the number of cores, and a speedup compares each side at its own best
 count (best against best).
 """
+import functools
 import os
 import statistics
 import time
@@ -41,7 +42,20 @@ def thread_counts(device, threads=None):
     return list(range(1, (os.cpu_count() or 1) + 1))
 
 
+def keeps_thread_count(measure):
+    """A measurement that sets torch's thread count as it goes puts the caller's back when it ends."""
+    @functools.wraps(measure)
+    def measured(*args, **kwargs):
+        before = torch.get_num_threads()
+        try:
+            return measure(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return measured
+
+
 @torch.no_grad()
+@keeps_thread_count
 def step_costs(model, generate_drafted, order, prompt, device, threads=None, sizes=None, repeats=STEP_COST_REPEATS,
                n_new=STEP_COST_TOKENS):
     """Time of one drafted step with the first n nodes of `order`, against one plain decoding step, at each
@@ -93,6 +107,7 @@ class Mode:
 
 
 @torch.no_grad()
+@keeps_thread_count
 def compare(model, prompts, n_new, modes: dict, repeats, threads=(None,)):
     """Run every mode at every thread count on every prompt `repeats` times, interleaved (the order
     rotates each round). A mode with every_thread_count=False runs at every count on the first prompt

@@ -85,6 +85,15 @@ def accuracies(kind, model, texts, depth, ranks, vocab=None):
     return [(hits / max(count, 1)).tolist() for hits, count in totals]
 
 
+@torch.no_grad()
+def text_accuracies(kind, model, prompts, n_new, ranks, depth, temperature=0.0):
+    """accuracies() on text the base writes from `prompts` (B, S): greedy, or sampled at `temperature` (from
+    torch's global generator), scored from each prompt's last position."""
+    from medusa_mini import generate
+    seq = generate(model.base, prompts, n_new, temperature)                 # (B, S + n_new)
+    return accuracies(kind, model, [(seq, prompts.size(1) - 1, None)], depth, ranks)
+
+
 def choose(kind, model, run, greedy_texts, sampled_texts, prompt, device, max_tree, ranks, vocab=None,
            sizes=None, repeats=timing.STEP_COST_REPEATS, n_new=timing.STEP_COST_TOKENS, threads=None) -> Trees:
     """A drafter's trees for this device and the model's decoding dtype: grown from its accuracies on

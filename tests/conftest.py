@@ -25,6 +25,12 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 from medusa_mini import GPT, GPTConfig, MedusaModel, medusa_loss  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test starts on one thread, whatever the test before it ran (a pipeline run sets its own)."""
+    torch.set_num_threads(1)
+
+
 def trained_once(build):
     """Train a model once per test process (build is called with the same arguments at most once); each
     call returns its own copy, so a test that moves its model to a device leaves the next test's alone."""

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import trained_once, PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
 from medusa_mini import GPT, MedusaModel, generate, medusa_generate, medusa_loss
-from lab.probes import chi_square, true_joint
+from lab.probes import chi_square, chi_square_family, draws_from, shifted_marginal, true_joint
 from verify import evaluate_posterior, sample_tree_walk
 from tree import build_tree_buffers, dense_tree
 
@@ -402,49 +402,92 @@ def skewed_mtp():
     return model.eval()
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
-def test_exact_sampling_matches_the_models_joint_distribution(device, drafter):
-    """The first three tokens of exact tree sampling at T = 0.7 follow the model's own
-    p(x1) p(x2 | x1) p(x3 | x1, x2), whichever drafter proposes the tree (Medusa's heads; EAGLE's
-    layer, on EAGLE-2's dynamic tree, which changes with every step's drafts; two MTP modules).
+N_DRAWS = 4000  # enough to reject a sampler whose x1 is off by 0.04, at the family's false-alarm rate 1e-3
+TREE_2 = [(0,), (1,), (0, 0), (0, 1), (1, 0)]  # depth 2: three tokens use nodes past depth 1
 
-    Three tokens with a depth-2 tree use everything: nodes past depth 1, and the next root drawn
-    where a walk stops. False alarm rate 1e-3 (chi-square). Power: a uniform sampler and one that
-    draws x3 without looking at x2 are both rejected by the same test at the same sample size."""
+
+def assert_follows(counts, joint, what):
+    """chi_square_family at 1e-3 passes, saying which test failed and its p-value if it does not."""
+    family = chi_square_family(counts, joint, 1e-3)
+    assert family["passed"], (f"{what}: the {family['worst']} test gives p = {family['p'][family['worst']]:.1e} < "
+                              f"{family['level']:.1e} (Bonferroni over {len(family['p'])} tests): "
+                              f"{ {k: f'{v:.2g}' for k, v in family['p'].items()} }")
+
+
+def test_the_distribution_test_has_the_power_it_claims():
+    """Against the skewed model's own joint, N_DRAWS draws from a sampler whose x1 is off by 0.04 (moved
+    between its two likeliest values, where it is hardest to see) fail chi_square_family in at least 97
+    of 100 runs, and draws from the joint itself fail it in at most 2."""
+    model = skewed_model()
+    joint = true_joint(model, torch.tensor([[1, 2]]), 0.7, 3, V_SMALL)                # (V, V, V)
+    g = torch.Generator().manual_seed(0)
+    wrong = shifted_marginal(joint, 0.04)
+    caught = sum(not chi_square_family(draws_from(wrong, N_DRAWS, g), joint)["passed"] for _ in range(100))
+    alarms = sum(not chi_square_family(draws_from(joint, N_DRAWS, g), joint)["passed"] for _ in range(100))
+    assert caught >= 97 and alarms <= 2, f"power {caught}/100, false alarms {alarms}/100 at {N_DRAWS} draws"
+
+
+def test_plain_sampling_follows_the_models_joint_distribution(device):
+    """generate at T = 0.7, N_DRAWS rows at once: the first three tokens follow the model's own
+    p(x1) p(x2 | x1) p(x3 | x1, x2), in the joint and in every marginal and conditional."""
+    model = skewed_model().to(device)
+    prompt = torch.tensor([[1, 2]], device=device)
+    joint = true_joint(model, prompt, 0.7, 3, V_SMALL)
+    torch.manual_seed(3)
+    out = generate(model.base, prompt.expand(N_DRAWS, -1), 3, temperature=0.7)[:, 2:].cpu()   # (N, 3)
+    counts = (out[:, 0] * V_SMALL**2 + out[:, 1] * V_SMALL + out[:, 2]).bincount(minlength=V_SMALL**3)
+    assert_follows(counts.view(V_SMALL, V_SMALL, V_SMALL), joint, "plain sampling")
+
+
+def test_exact_sampling_matches_the_models_joint_distribution(device):
+    """The first three tokens of exact tree sampling at T = 0.7 with Medusa's heads follow the model's own
+    p(x1) p(x2 | x1) p(x3 | x1, x2): the joint, each marginal and each conditional (chi_square_family,
+    whose power test_the_distribution_test_has_the_power_it_claims checks). Three tokens with a depth-2
+    tree use everything: nodes past depth 1, and the next root drawn where a walk stops."""
+    torch.manual_seed(1)
+    model = skewed_model().to(device)
+    prompt = torch.tensor([[1, 2]], device=device)
+    joint = true_joint(model, prompt, 0.7, 3, V_SMALL)                               # (V, V, V)
+    assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"
+    counts, accepted = torch.zeros(V_SMALL, V_SMALL, V_SMALL), 0
+    for _ in range(N_DRAWS):
+        out, stats = medusa_generate(model, prompt, 3, TREE_2, temperature=0.7, sampling="exact")
+        counts[tuple(out[0, 2:].tolist())] += 1
+        accepted += stats.accept_lengths[0]
+    assert accepted > N_DRAWS / 10, f"the walk accepted {accepted} drafted tokens in {N_DRAWS} first steps"
+    assert_follows(counts, joint, "exact sampling with Medusa's heads")
+
+
+SEEDS = 100  # generations per drafter; kit/mutants.toml's sampling mutants are caught within them
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
+def test_exact_sampling_draws_what_plain_sampling_draws(drafter):
+    """Whichever drafter proposes the tree (Medusa's heads; EAGLE's layer, on EAGLE-2's dynamic tree, which
+    changes with every step's drafts; two MTP modules), the exact walk draws each token once, from the
+    model's own conditional, in the order plain sampling draws them: with the same seed, the two write the
+    same text. (The distribution itself: the tests above.)"""
     from eagle import eagle_generate
     from feature_drafter import DynamicTree
     from mtp import mtp_generate
-    torch.manual_seed(1)
-    T, n = 0.7, 1500
-    model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]().to(device)
-    prompt = torch.tensor([[1, 2]], device=device)
-    joint = true_joint(model, prompt, T, 3, V_SMALL)                               # (V, V, V)
-    assert 0.5 * (joint - 1 / V_SMALL**3).abs().sum() > 0.2, "the test's model must be far from uniform"
+    model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
+    prompt = torch.tensor([[1, 2]])
     if drafter == "medusa":
-        def sample():
-            return medusa_generate(model, prompt, 3, [(0,), (1,), (0, 0), (0, 1), (1, 0)], temperature=T,
-                                   sampling="exact")
+        def exact():
+            return medusa_generate(model, prompt, 6, TREE_2, temperature=0.7, sampling="exact")
     else:
-        def sample():
-            decode = eagle_generate if drafter == "eagle" else mtp_generate
-            return decode(model, prompt, 3, DynamicTree(topk=2, nodes=4, depth=2), temperature=T, sampling="exact")
-    counts, accepted = torch.zeros(V_SMALL, V_SMALL, V_SMALL), 0
-    for _ in range(n):
-        out, stats = sample()
-        counts[tuple(out[0, 2:].tolist())] += 1
-        accepted += stats.accept_lengths[0]
-    assert accepted > n / 10, f"the walk accepted {accepted} drafted tokens in {n} first steps: expected > {n // 10}"
-    p, cell, observed, expected = chi_square(counts, joint)
-    assert p > 1e-3, (f"p = {p:.1e} < 1e-3: the three tokens do not follow the model at T = {T}; worst cell "
-                      f"(x1, x2, x3) = {cell}: {observed} draws, {expected:.1f} expected")
-
-    g = torch.Generator().manual_seed(2)
-    uniform = torch.randint(0, V_SMALL**3, (n,), generator=g).bincount(minlength=V_SMALL**3).float()
-    assert chi_square(uniform, joint)[0] < 1e-3, "the test's own power check: a uniform sampler must fail it"
-    x12 = torch.multinomial(joint.sum(2).flatten().float(), n, replacement=True, generator=g)
-    x3 = torch.multinomial(joint.sum((0, 1)).float(), n, replacement=True, generator=g)    # ignores x1, x2
-    assert chi_square((x12 * V_SMALL + x3).bincount(minlength=V_SMALL**3).float(), joint)[0] < 1e-3, \
-        "the test's own power check: a sampler that draws x3 without looking at x1, x2 must fail it"
+        decode = eagle_generate if drafter == "eagle" else mtp_generate
+        def exact():
+            return decode(model, prompt, 6, DynamicTree(topk=2, nodes=4, depth=2), temperature=0.7, sampling="exact")
+    accepted = 0
+    for seed in range(SEEDS):
+        torch.manual_seed(seed)
+        out, stats = exact()
+        torch.manual_seed(seed)
+        plain = generate(model.base, prompt, 6, temperature=0.7)
+        assert torch.equal(out, plain), f"seed {seed}: exact {out[0, 2:].tolist()}, plain {plain[0, 2:].tolist()}"
+        accepted += sum(stats.accept_lengths)
+    assert accepted > SEEDS, f"the walk accepted {accepted} drafted tokens in {SEEDS} generations: it must walk the tree"
 
 
 def test_exact_sampling_is_lossless_by_construction_at_length_one():

@@ -10,27 +10,31 @@ from eagle import EagleModel, eagle_generate, eagle_loss
 from feature_drafter import DynamicTree, FeatureDrafter, chain_outputs
 from medusa_mini import GPT, generate
 from mtp import MTPModel
+from tree import dense_tree
 from verify import prefill
 
 STATIC = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)]  # two branches go deep
+WIDE = dense_tree([3, 3, 2, 1])  # 48 nodes: many entries that must not see each other's branches
 
 
 def random_eagle(seed=0, scale=4.0, **kw):
-    """An untrained base and layer with weights scaled up, so that logits (and ranks) are far apart."""
+    """An untrained base with weights scaled up, so that its logits (and ranks) are far apart, and an
+    EAGLE layer as initialised: its outputs stay the size of a feature from depth to depth, so that what
+    an entry attends to (its own branch or others) moves its draft's ranks."""
     torch.manual_seed(seed)
     model = EagleModel(GPT(tiny_config(**kw)))
     with torch.no_grad():
-        for p in model.parameters():
+        for p in model.base.parameters():
             p.mul_(scale)
     return model.eval()
 
 
 def random_mtp(depth, seed=0, scale=4.0, **kw):
-    """An untrained base with `depth` MTP modules, weights scaled up as random_eagle's."""
+    """An untrained base with `depth` MTP modules, scaled as random_eagle's."""
     torch.manual_seed(seed)
     model = MTPModel(GPT(tiny_config(**kw)), depth)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in model.base.parameters():
             p.mul_(scale)
     return model.eval()
 
@@ -39,7 +43,7 @@ MODELS = {"eagle": lambda: random_eagle(block_size=64), "mtp1": lambda: random_m
           "mtp2": lambda: random_mtp(2, block_size=64)}
 
 
-@pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=9, depth=4)], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [WIDE, DynamicTree(topk=4, nodes=24, depth=4)], ids=["static", "dynamic"])
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_every_drafted_node_equals_its_own_paths_draft(tree, kind):
     """Node (r1, ..., rd) of a drafted tree carries rank rd of the distribution its layers give when run
@@ -72,14 +76,21 @@ def test_every_drafted_node_equals_its_own_paths_draft(tree, kind):
         drafter.commit(state, [0, 1], hs)
 
 
-def perfect_clock_layer():
-    """On tests/conftest.py's clock GPT the base's input for a token at position t, wte[x] + wpe[t], is
-    already what lm_head reads to predict t + 1's token: a layer that passes the embedding through
-    (fc = [I, 0], the block's output projections zero) drafts every token right, at every depth."""
-    eagle = EagleModel(clock_gpt()[0])
-    C = eagle.base.config.n_embd
+def perfect_clock_layer(reads):
+    """A perfect draft layer on tests/conftest.py's clock GPT, whose token at position t is t mod V, with
+    the block's output projections zero (it passes its input through), in one of two ways:
+    - reads="token": fc = [I, 0]. The base's input for the token at t + 1, wte[x] + wpe[t + 1], is already
+      what lm_head reads as t + 2's token: it drafts right if each token is embedded where it sits.
+    - reads="feature": fc = [0, P], P = e^T R e shifting each e_v to e_{v+1}: it turns a feature that
+      reads as token v into one that reads as v + 1, so it drafts right if each entry is fed its own
+      parent's predicted feature (the root's: the base's at the last committed position)."""
+    base, e = clock_gpt()
+    eagle = EagleModel(base)
+    C, V = base.config.n_embd, base.config.vocab_size
+    shift = e.T @ e.roll(1, dims=0)                                     # (C, C): P e_v = e_{v+1}, for v < V
     with torch.no_grad():
-        eagle.eagle.fc.weight.copy_(torch.cat([torch.eye(C), torch.zeros(C, C)], 1))
+        blocks = {"token": [torch.eye(C), torch.zeros(C, C)], "feature": [torch.zeros(C, C), shift]}
+        eagle.eagle.fc.weight.copy_(torch.cat(blocks[reads], 1))
         eagle.eagle.fc.bias.zero_()
         for layer in (eagle.eagle.block.attn.c_proj, eagle.eagle.block.mlp[-1]):
             layer.weight.zero_()
@@ -87,21 +98,24 @@ def perfect_clock_layer():
     return eagle.eval()
 
 
+@pytest.mark.parametrize("reads", ["token", "feature"])
 @pytest.mark.parametrize("tree", [[(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], STATIC,
                                   DynamicTree(topk=2, nodes=6, depth=4)], ids=["chain", "static", "dynamic"])
-def test_a_perfect_draft_layer_commits_depth_plus_one_tokens_every_step(tree):
-    """With drafts that are always right, every step commits a whole 4-deep path: 5 tokens. A draft fed
-    the wrong position, the wrong feature or the wrong parent's token would be rejected."""
-    eagle = perfect_clock_layer()
+def test_a_perfect_draft_layer_commits_depth_plus_one_tokens_every_step(tree, reads):
+    """With drafts that are always right, every step commits a whole 4-deep path: 5 tokens. A draft whose
+    token is embedded at the wrong position (the layer that reads the token), or that is fed another
+    entry's feature than its parent's (the layer that reads the feature), is rejected."""
+    eagle = perfect_clock_layer(reads)
     V = eagle.base.config.vocab_size
     for S in (1, 6):
         idx = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(S))
         out, stats = eagle_generate(eagle, idx, 40, tree)
         assert out[0, S:].tolist() == [(S + i) % V for i in range(40)]
+        why = ("is each token embedded where it sits?" if reads == "token" else
+               "is each entry fed its own parent's predicted feature?")
         assert stats.tokens_per_step == 5.0, (
             f"{stats.tokens_per_step:.2f} tokens/step, expected exactly 5.0 with drafts that are always right; "
-            f"accept lengths per step {stats.accept_lengths}: is each token embedded where it sits, and fed with "
-            f"its parent's predicted feature?")
+            f"accept lengths per step {stats.accept_lengths}: {why}")
 
 
 @pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=10, depth=4)], ids=["static", "dynamic"])

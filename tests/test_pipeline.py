@@ -152,7 +152,8 @@ def test_compare_picks_a_thread_count_on_the_first_prompt(monkeypatch):
     runs = timing.compare(None, prompts, 3, modes, repeats=2, threads=[1, 2])
     assert sorted(runs) == [("a", 2), ("b", 1), ("c", 1), ("c", 2)]
     assert all(len(run["seconds"]) == len(run["outputs"]) == 3 for run in runs.values())
-    assert len(calls) == 2 * (3 * 2) + 2 * 2 * 4  # 2 repeats: the first prompt 3 modes x 2 counts, then 2 x 4 keys
+    assert len(calls) == 2 * (3 * 2) + 2 * 2 * 4 + 1  # 2 repeats: the first prompt 3 modes x 2 counts, then 2 x 4 keys
+    assert calls[-1] == torch.get_num_threads()  # and the caller's count put back
 
 
 def test_report_runs_the_other_modes_at_one_thread_count():

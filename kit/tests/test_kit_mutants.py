@@ -1,20 +1,20 @@
-"""The grader's own check (instructors): every bug planted from mutants.toml makes one of its
+"""The grader's own check (instructors): every bug planted from kit/mutants.toml makes one of its
 assignment's correctness tests fail (never only an efficiency test), and every correct rewrite
 there passes them, a slower one included.
 
-One `python grade.py --mutants` process runs them all: each fault is planted
-in the reference code at run time by swapping one function's code, and only its listed tests run,
+One `python kit/grade.py --mutants` process runs them all: each fault is written into its function in
+a scratch copy of the project, whose modules are then imported afresh, and only its listed tests run,
 stopping at the first failure."""
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "kit")]
 import grading  # noqa: E402
-import warm  # noqa: E402
 
 ASSIGNMENTS = grading.load_mapping()["assignment"]
 DATA = grading.load_mutants(ASSIGNMENTS)
@@ -23,7 +23,8 @@ DATA = grading.load_mutants(ASSIGNMENTS)
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     out = tmp_path_factory.mktemp("mutants") / "mutants.json"
-    proc = warm.run(["grade.py", "--mutants", "--json", str(out)], ROOT, timeout=600)
+    proc = subprocess.run([sys.executable, "kit/grade.py", "--mutants", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())["mutants"]
 
@@ -69,7 +70,7 @@ def test_a_correct_but_slower_rewrite_is_correct_and_reported_slower(table):
     m = r["efficiency"]["measures"]
     assert m["ops_per_step"] > m["reference_ops_per_step"] and m["ops_ratio"] > m["ops_ratio_bound"], m
     assert m["host_reads_per_step"] <= m["host_reads_bound"], m
-    assert f"efficiency: {r['efficiency']['summary'][:60]}" in proc.stdout
+    assert f"efficiency: {r['efficiency']['summary'][:60]}" in proc.stdout.replace("\n          ", " ")
 
 
 def test_no_fault_is_caught_only_by_an_efficiency_test(tmp_path):
@@ -89,21 +90,22 @@ def test_no_fault_is_caught_only_by_an_efficiency_test(tmp_path):
 
 def test_a_fault_that_no_longer_fits_fails_loudly():
     stale = dict(name="stale", function="verify.py:evaluate_posterior", replace="no such code", **{"with": ""})
+    source = (ROOT / "verify.py").read_text()
     with pytest.raises(grading.MutantError, match="'stale' no longer applies: snippet 'no such code' not found in evaluate_posterior"):
-        with grading.planted(stale):
-            pass
+        grading.planted_source(source, stale)
     gone = dict(stale, function="medusa_mini.py:no_such_function")
     with pytest.raises(grading.MutantError, match="no longer applies: no function 'no_such_function'"):
-        with grading.planted(gone):
-            pass
+        grading.planted_source((ROOT / "medusa_mini.py").read_text(), gone)
 
 
-def test_a_planted_fault_is_seen_through_every_import_and_then_removed():
-    from verify import evaluate_posterior
-    import torch
-    logits, candidates = torch.zeros(1, 2, 3), torch.tensor([[0, 0]])
+def test_a_fault_is_written_into_its_function_only():
+    """planted_source changes the one function it names (a replace, or a whole body); the rest of the file
+    is left byte for byte."""
+    source = (ROOT / "verify.py").read_text()
     fault = dict(name="x", function="verify.py:evaluate_posterior", replace="best = lengths.index(accept)",
-                 **{"with": "best, accept = 7, 7"})
-    with grading.planted(fault):
-        assert evaluate_posterior(logits, candidates) == (7, 7)
-    assert evaluate_posterior(logits, candidates) == (0, 1)
+                 **{"with": "best = 7"})
+    planted = grading.planted_source(source, fault)
+    assert planted.replace("best = 7", "best = lengths.index(accept)") == source and planted != source
+    body = dict(name="y", function="verify.py:KVCache.rollback", body="self.length = 0\n")
+    planted = grading.planted_source(source, body)
+    assert "        self.length = 0\n" in planted and planted.count("\n") == source.count("\n")
