@@ -26,6 +26,7 @@ import tomllib
 from grading import (MAPPING, MUTANTS, UsageError, check_mutants, grade, hint, load_mapping,  # noqa: E402
                      load_mutants)
 from lab import folder  # noqa: E402
+from lab.cli import RunError  # noqa: E402
 
 def print_row(status: str, r: dict, note: str = ""):
     print(f"  {status}  {r['passed']:>2}/{r['cases']:<2}  {r['test']}{note}")
@@ -112,6 +113,8 @@ def main(argv=None):
             raise UsageError(f"--json {args.json!r}: give a file to write, not a folder")
         if json_path and not os.path.isdir(os.path.dirname(json_path)):
             raise UsageError(f"--json {args.json}: no directory {os.path.dirname(json_path)}")
+        if json_path:
+            folder.check_writable(os.path.dirname(json_path))  # before grading, not after
         if args.hint is not None and not args.hint.strip():
             raise UsageError("--hint: give a function's name, e.g. --hint evaluate_posterior")
         if importlib.util.find_spec("torch") is None:
@@ -134,6 +137,9 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.mutants:
         rows = check_mutants(assignments, data, numbers)
         print_mutants(rows, assignments)
@@ -146,7 +152,11 @@ def main(argv=None):
         if len(results) > 1:
             print(f"\n{sum(r['passed'] for r in results)}/{len(results)} assignments pass")
     if json_path:
-        folder.write_json(json_path, dict(passed=passed, **out), indent=1)
+        try:
+            folder.write_json(json_path, dict(passed=passed, **out), indent=1)
+        except RunError as e:  # the disk filled while grading: the scores above stand
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     return 0 if passed else 1
 
 

@@ -15,7 +15,7 @@ import eagle
 import medusa_mini
 import mtp
 from feature_drafter import DynamicTree, FeatureDrafter, chain_hits, chain_outputs
-from lab import stages
+from lab import export, stages
 from tree import dense_tree
 
 DENSE_WIDTHS = [3, 3, 2]  # 3 + 9 + 18 = 30 nodes: the dense tree the report compares Medusa's grown one with
@@ -39,6 +39,8 @@ class DrafterKind:
     #                                base's own stage trains it (MTP's modules), and the drafter is that model
     steps: Callable = field(default=lambda run: 0)  # its training steps in a run (for the plan's estimate)
     distilled: Callable = field(default=lambda run: True)  # whether it trains on self-distilled text
+    exports: dict = field(default_factory=dict)  # {format: lab.export.Target}: what export.py writes it as
+    #                                              (or refuses, saying why); empty: it cannot leave the project
 
 
 REGISTRY: dict[str, DrafterKind] = {}
@@ -107,7 +109,7 @@ register(DrafterKind(
     config=lambda run: {"num_heads": run.num_heads, "share_lm_head": run.share_lm_head},
     hits=medusa_hits, depth=lambda model, run: len(model.heads), extra_trees=medusa_extra_trees,
     proposals=medusa_proposals, conditional=False, train=train_medusa, steps=lambda run: run.head_steps,
-    distilled=lambda run: getattr(run, "distill", True)))
+    distilled=lambda run: getattr(run, "distill", True), exports=export.MEDUSA_TARGETS))
 
 
 # ---------------------------------------------------------------------------------------- EAGLE and MTP
@@ -135,7 +137,8 @@ register(DrafterKind(
     name="eagle", model=eagle.EagleModel, drafter=FeatureDrafter, generate=eagle.eagle_generate,
     settings=("eagle_steps", "eagle_lr", "eagle_loss"), config=lambda run: {},
     hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
-    proposals=chain_proposals, conditional=True, train=train_eagle, steps=lambda run: run.eagle_steps))
+    proposals=chain_proposals, conditional=True, train=train_eagle, steps=lambda run: run.eagle_steps,
+    exports=export.EAGLE_TARGETS))
 
 register(DrafterKind(
     name="mtp", model=mtp.MTPModel, drafter=FeatureDrafter, generate=mtp.mtp_generate,

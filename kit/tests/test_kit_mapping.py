@@ -3,6 +3,7 @@ nudge and a hint each; stubbing a function and putting its body back gives the f
 refuses what it cannot do; the hints name tests that run; an error a student's function must raise is
 stated in its docstring and its hint; grade.py says in one line why a test failed."""
 import ast
+import errno
 import re
 import sys
 from pathlib import Path
@@ -94,6 +95,22 @@ def test_hints_in_two_levels(capsys):
 def test_grade_refuses_a_folder_for_its_json_before_grading(tmp_path, capsys):
     assert grade.main(["--json", str(tmp_path), "1"]) == 2
     assert "give a file to write, not a folder" in capsys.readouterr().err
+
+
+def test_grade_refuses_a_read_only_folder_for_its_json_before_grading(tmp_path, monkeypatch, capsys):
+    """A stand-in for a read-only folder (the tests may run as root, who can write anywhere): every
+    write fails with EROFS. One line, exit status 1, and nothing graded."""
+    real_open = open
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, mode, *args, **kwargs)
+    monkeypatch.setattr("builtins.open", read_only)
+    monkeypatch.setattr(grade, "grade", lambda *args: pytest.fail("graded before checking the folder"))
+    assert grade.main(["--json", str(tmp_path / "result.json"), "1"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "read-only" in err[0], err
 
 
 def test_hints_name_only_tests_that_run_in_their_copy():

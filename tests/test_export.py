@@ -1,0 +1,493 @@
+"""Exports to the serving engines' formats (lab/export.py, export.py), checked without an engine.
+
+For every format a drafter exports to, a reader written in this file, importing nothing from the
+project, loads the exported folder the way that format's loader does (its tensor names, its config
+fields) and runs the draft's forward as the loader defines it: rotate-half RoPE, its norms, its biases,
+its vocabulary mapping. On a small random smollm.Llama it must draft the same tokens, in float32, as
+the project's own drafter, at every step of a greedy generation. A planted mistake (q and k rows left
+in GGUF's permuted order, which the project's own RoPE would hide) makes the reader disagree.
+LOADERS lists what each loader reads, with the file and commit it was read at. A format that lacks a
+feature of the drafter refuses in one line, and so do the command's other user mistakes, writing nothing.
+"""
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import export
+import smollm
+from eagle import EagleModel
+from lab import checkpoints, cli, drafters
+from lab import export as lab_export
+from lab.checkpoints import SMOLLM2_BASE, drafter_state
+from lab.trees import Trees, trees_of
+from medusa_mini import GPT, GPTConfig, MedusaModel
+from verify import speculative_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------- what each loader reads
+# Read at these files and commits (cited, not copied). Tensor names are regular expressions; the config
+# fields are the ones the loader reads for these drafts.
+LOADERS = {
+    ("medusa", "vllm"): {
+        "file": "vllm-project/vllm vllm/model_executor/models/medusa.py @ 09cddad8f0324594022359cd2b07e962a14b895f; "
+                "vllm/transformers_utils/configs/medusa.py @ 4bb77b3239adff81001f12cd9c9a39b65800a373; "
+                "vllm/config/speculative.py @ f19b16d95e4395790661f4835e4436bc3dd5d9c7 (model_type medusa -> method; "
+                "num_speculative_tokens sets num_heads); vllm/v1/spec_decode/medusa.py @ "
+                "afe4cc5a6cca6842620df36f6d02b43a224f4974 (argmax per head: a chain)",
+        "config": ["model_type", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers", "medusa_fc_bias",
+                   "original_lm_head", "truncated_vocab_size"],
+        "tensors": [r"blocks\.\d+\.layers\.0\.weight", r"blocks\.\d+\.layers\.0\.bias", r"lm_heads\.\d+\.weight",
+                    r"token_map"],
+        "weights": "model.safetensors"},
+    ("medusa", "reference"): {
+        "file": "FasterDecoding/Medusa medusa/model/medusa_model.py @ e2a5d20c048a9b0a4092e6933c34313687422518 "
+                "(MedusaConfig, ResBlock, MedusaModelABC.from_pretrained: medusa_lm_head.pt, "
+                "load_state_dict strict=False)",
+        "config": ["medusa_num_heads", "medusa_num_layers", "base_model_name_or_path"],
+        "tensors": [r"\d+\.0\.linear\.weight", r"\d+\.0\.linear\.bias", r"\d+\.1\.weight"],
+        "weights": "medusa_lm_head.pt"},
+    ("eagle", "sglang"): {
+        "file": "sgl-project/sglang python/sglang/srt/models/llama_eagle.py @ 034b3be819faf3f84c5aae5a4cda27bdf2e12de0 "
+                "(fc with torch's default bias, layer 0 without input_layernorm, no final norm, names prefixed "
+                "model.); python/sglang/srt/models/llama.py @ bf7a0e237e8d5b2ce5402f5d2fafce31e012dbdf (q/k/v and "
+                "gate/up stacked from HF names; rope_theta, neox-style rotary; attention_bias or bias -> q/k/v/o "
+                "biases; tie_word_embeddings); python/sglang/srt/speculative/eagle_worker.py @ "
+                "fba8eccd7ebe41bbdbf70ab3b6a2df1835f8b532 (the target's embedding and lm_head, sliced by "
+                "--speculative-token-map, torch.load weights_only)",
+        "config": ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta", "vocab_size",
+                   "max_position_embeddings", "tie_word_embeddings", "attention_bias"],
+        "tensors": [r"fc\.weight", r"fc\.bias", r"layers\.0\.self_attn\.[qkvo]_proj\.weight",
+                    r"layers\.0\.post_attention_layernorm\.weight", r"layers\.0\.mlp\.(gate|up|down)_proj\.weight"],
+        "weights": "model.safetensors"},
+    ("eagle", "reference"): {
+        "file": "SafeAILab/EAGLE eagle/model/ea_model.py and eagle/model/cnets1.py @ "
+                "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b (EaModel.from_pretrained: pytorch_model.bin, else "
+                "model.safetensors, load_state_dict strict=False; config.json `bias` for fc; EConfig; "
+                "LlamaDecoderLayer index 0 without input_layernorm; rotate_half; embedding from the base)",
+        "config": ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
+                   "max_position_embeddings", "vocab_size", "bias"],
+        "tensors": [r"fc\.weight", r"fc\.bias", r"layers\.0\.self_attn\.[qkvo]_proj\.weight",
+                    r"layers\.0\.post_attention_layernorm\.weight", r"layers\.0\.mlp\.(gate|up|down)_proj\.weight"],
+        "weights": "model.safetensors"},
+}
+# The pairs refused whatever the checkpoint: the words the one error line must hold, and where that was read.
+REFUSED = {
+    ("medusa", "sglang"): ("SGLang has no Medusa loader", "sgl-project/sglang python/sglang/srt/models/: no Medusa "
+                           "model (its speculative algorithms: EAGLE, EAGLE3, MTP via EAGLE, STANDALONE, NGRAM)"),
+    ("eagle", "vllm"): ("builds fc without a bias", "vllm-project/vllm vllm/model_executor/models/llama_eagle.py @ "
+                        "e1c4a55214c63e19e83f82ad6c552d82148bae0b: fc = Linear(2 * hidden, hidden, bias=False)"),
+}
+
+
+# ---------------------------------------------------------------- the readers (nothing from the project)
+
+def read_folder(folder):
+    """config.json and the weights, as a loader sees them."""
+    from safetensors.torch import load_file
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if (Path(folder) / "model.safetensors").exists():
+        weights = load_file(str(Path(folder) / "model.safetensors"))
+    else:
+        weights = torch.load(Path(folder) / "medusa_lm_head.pt", weights_only=True)
+    return config, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def vllm_medusa_drafts(folder, h, k):
+    """vLLM's Medusa: head i's residual blocks (x + SiLU(W x [+ b])), its lm_head (the shared one under
+    original_lm_head), logits over the token map's slots put back into the vocabulary, -inf elsewhere;
+    the argmax of each of the first k heads (num_speculative_tokens): a chain. h (C,): the target's last
+    hidden state."""
+    config, w = read_folder(folder)
+    truncated = config["truncated_vocab_size"] < config["vocab_size"]
+    tokens = []
+    for i in range(min(k, config["num_heads"])):
+        x = h
+        for j in range(config["num_hidden_layers"]):
+            b = w[f"blocks.{i}.layers.{j}.bias"] if config.get("medusa_fc_bias") else None
+            x = x + F.silu(F.linear(x, w[f"blocks.{i}.layers.{j}.weight"], b))
+        head = w["lm_heads.0.weight"] if config.get("original_lm_head") else w[f"lm_heads.{i}.weight"]
+        logits = F.linear(x, head)
+        if truncated:
+            full = torch.full((config["vocab_size"],), float("-inf"))
+            full[w["token_map"]] = logits
+            logits = full
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def reference_medusa_drafts(folder, h, root, tree, topk=10):
+    """FasterDecoding/Medusa: head i = ResBlock (x + SiLU(linear(x))) then a full-vocabulary Linear; the top
+    `topk` of each head; node (r1, ..., rd) carries rank rd of head d. Returns {path: token}, root at ()."""
+    config, w = read_folder(folder)
+    top = []
+    for i in range(config["medusa_num_heads"]):
+        x = h
+        for j in range(config["medusa_num_layers"]):
+            x = x + F.silu(F.linear(x, w[f"{i}.{j}.linear.weight"], w[f"{i}.{j}.linear.bias"]))
+        top.append(F.linear(x, w[f"{i}.{config['medusa_num_layers']}.weight"]).topk(topk).indices.tolist())
+    return {(): root, **{p: top[len(p) - 1][p[-1]] for p in tree}}
+
+
+def rotate_half(x):
+    half = x.size(-1) // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def eagle_layer(config, w, fc_bias, embed, feats, tokens):
+    """A Llama-named EAGLE layer as SGLang's llama_eagle.py and SafeAILab's cnets1.py run it, over entries
+    i = 0..T-1 at positions i: fc([embed(token_i); feat_i]) (+ bias), then layer 0 without input norm:
+    attention (neox rotate-half RoPE with rope_theta, grouped-query, causal), residual,
+    post_attention_layernorm, SwiGLU, residual; no final norm. Returns (T, C)."""
+    T = tokens.numel()
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or config["hidden_size"] // nh
+    x = F.linear(torch.cat([embed[tokens], feats], -1), w["fc.weight"], w["fc.bias"] if fc_bias else None)
+    p = "layers.0."
+    q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(T, nh, hd).transpose(0, 1)
+    k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(T, nkv, hd).transpose(0, 1)
+    v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(T, nkv, hd).transpose(0, 1)
+    inv_freq = 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+    angles = torch.arange(T).float()[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    scores = q @ k.transpose(1, 2) / hd ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd)
+    x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+    y = rms_norm(x, w[p + "post_attention_layernorm.weight"], config["rms_norm_eps"])
+    y = F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
+                 w[p + "mlp.down_proj.weight"])
+    return x + y
+
+
+def eagle_drafts(folder, fmt, target, committed, root, tree, token_map=None):
+    """The tree an EAGLE layer drafts, each node recomputed along its own path from the committed text,
+    as the engine's draft cache holds it after a step (every committed entry fed the target's true
+    feature). target: the target's embedding and lm_head (the engine shares both with the draft) and
+    its hidden states; SGLang's fc always has its bias, SafeAILab's as config.json's `bias` says; a
+    token map slices lm_head's rows and maps drafted slots back. Returns {path: token}, root at ()."""
+    config, w = read_folder(folder)
+    fc_bias = True if fmt == "sglang" else config.get("bias", True)
+    embed, head, feats = target["embed"], target["lm_head"], target["hidden"](committed)
+    if token_map is not None:
+        head = head[token_map]
+    tokens = torch.cat([committed[1:], torch.tensor([root])])
+    drafted = {(): root}
+
+    def ranked(path):
+        """The drafted distribution's ranking at the node `path` (its children's candidates)."""
+        f, t = feats, tokens
+        out = eagle_layer(config, w, fc_bias, embed, f, t)
+        for d in range(len(path)):
+            f = torch.cat([f, out[-1:]])
+            t = torch.cat([t, torch.tensor([drafted[path[:d + 1]]])])
+            out = eagle_layer(config, w, fc_bias, embed, f, t)
+        order = F.linear(out[-1], head).argsort(descending=True)
+        return order if token_map is None else token_map[order]
+
+    for path in sorted(tree, key=lambda p: (len(p), p)):
+        drafted[path] = int(ranked(path[:-1])[path[-1]])
+    return drafted
+
+
+# ---------------------------------------------------------------- a small random SmolLM2 and its drafters
+
+TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+CHAIN = [(0,), (0, 0), (0, 0, 0)]
+
+
+def random_llama():
+    """A random smollm.Llama of SmolLM2's kind, small: grouped-query attention, a RoPE base that is not
+    any loader's default (a reader that ignored rope_theta would disagree). Its blocks' weights are scaled
+    up: at their init the embedding dominates the residual stream, and greedy text repeats one token."""
+    torch.manual_seed(0)
+    config = smollm.LlamaConfig(vocab_size=96, block_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
+                                n_hidden=96, rope_base=1000.0, norm_eps=1e-5)
+    model = smollm.Llama(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("blocks.") and p.dim() == 2:
+                p.mul_(4)
+        model.norm.weight.fill_(0.5)
+    return model
+
+
+def perturb(module, seed):
+    """Weights away from their init, so that heads disagree with the base and attention is sharp enough
+    for a wrong RoPE to change what it drafts."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("attn.q.weight", "attn.k.weight")):
+                p.mul_(4)
+            else:  # the heads' residual blocks start at zero
+                p.add_(torch.randn(p.shape, generator=g) * (0.3 * float(p.std()) if p.std() > 0 else 0.5))
+
+
+def trees_json(tree):
+    return {"float32": Trees(tree, 1, tree, [[0.5]] * 3, {1: {"step_ms": {}, "relative": {}, "plain_step_ms": 1.0}}
+                             ).to_json()}
+
+
+def save_checkpoint(path, model, kind, config, vocab, tree=TREE):
+    """A drafter checkpoint as lab/smollm_pipeline.py writes it (lab.checkpoints.save: the real format)."""
+    checkpoints.save(path, stage={"name": kind, "settings": {}, "parents": {}}, done=True, base=SMOLLM2_BASE,
+                     drafter={"kind": kind, "config": config}, tokenizer={"kind": "smollm2"}, draft_vocab=vocab,
+                     model=drafter_state(model), trees=trees_json(tree))
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Checkpoints of each drafter on one random base: with and without a drafting vocabulary, Medusa's
+    heads sharing the base's lm_head (as SmolLM2's do) and with their own."""
+    base, folder = random_llama(), tmp_path_factory.mktemp("out")
+    vocab = torch.randperm(96, generator=torch.Generator().manual_seed(1))[:40].sort().values
+    made = {"base": base, "vocab": vocab}
+    for share in (True, False):
+        torch.manual_seed(2)
+        medusa = MedusaModel(base, num_heads=3, share_lm_head=share)
+        perturb(medusa.heads, 3)
+        for v, tag in ((vocab, "vocab"), (None, "full")):
+            path = folder / f"medusa-{share}-{tag}" / "medusa.pt"
+            path.parent.mkdir()
+            save_checkpoint(path, medusa, "medusa", {"num_heads": 3, "share_lm_head": share}, v)
+            made[("medusa", share, tag)] = path
+    torch.manual_seed(4)
+    eagle = EagleModel(base)
+    perturb(eagle.eagle, 5)
+    for v, tag in ((vocab, "vocab"), (None, "full")):
+        path = folder / f"eagle-{tag}" / "eagle.pt"
+        path.parent.mkdir()
+        save_checkpoint(path, eagle, "eagle", {}, v)
+        made[("eagle", tag)] = path
+    return made
+
+
+def exported(made, path, fmt, to, dtype="float32"):
+    """The checkpoint at `path`, loaded as export.py loads it (on the random base), exported to `to`."""
+    kind = drafters.get(checkpoints.load(path)["drafter"]["kind"])
+    model, ckpt = checkpoints.load_model(path, drafter=kind.name, base_kind="smollm2", base=made["base"])
+    lab_export.export(kind.name, fmt, kind.exports[fmt], model, ckpt, trees_of(ckpt), str(to), dtype)
+    return model
+
+
+class Recorder:
+    """A project drafter, its proposals recorded: (committed tokens, root, {path: token}) per step."""
+
+    def __init__(self, drafter):
+        self.drafter, self.nodes, self.steps = drafter, drafter.nodes, []
+
+    def start(self, state, h):
+        self.drafter.start(state, h)
+
+    def propose(self, state, root, depth):
+        draft = self.drafter.propose(state, root, depth)
+        paths = draft.buffers.node_paths
+        self.steps.append((state.tokens[0].clone(), int(root), dict(zip(paths, draft.tokens.tolist()))))
+        return draft
+
+    def commit(self, state, kept, h):
+        self.drafter.commit(state, kept, h)
+
+
+def project_drafts(model, kind, tree, n_new=16, seed=6):
+    """Every step's drafts of a greedy generation with the project's drafter on `tree` (varied drafts)."""
+    prompt = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(seed))
+    recorder = Recorder(kind.drafter(model, tree, "cpu"))
+    speculative_generate(model.base, recorder, prompt, n_new, 0.0)
+    assert len(recorder.steps) >= 8 and len({t for _, _, d in recorder.steps for t in d.values()}) >= 10
+    return recorder.steps
+
+
+def target_of(base):
+    """What an engine takes from the target model: its embedding, lm_head and final hidden states."""
+    with torch.no_grad():
+        return {"embed": base.tok_embed.weight.detach(), "lm_head": base.lm_head.weight.detach(),
+                "hidden": lambda ids: base.hidden(ids[None])[0]}
+
+
+def last_hidden(base, committed):
+    with torch.no_grad():
+        return base.hidden(committed[None])[0, -1]
+
+
+# ---------------------------------------------------------------- round trips, token for token
+
+@pytest.mark.parametrize("share,tag", [(True, "vocab"), (False, "full")])
+def test_vllm_medusa_reader_drafts_what_our_heads_draft(made, tmp_path, share, tag):
+    """vLLM drafts a top-1 chain: on the chain tree, every step's drafts equal ours, with the drafting
+    vocabulary as token_map (heads sharing lm_head, original_lm_head) and without (per-head lm_heads)."""
+    model = exported(made, made[("medusa", share, tag)], "vllm", tmp_path / "x")
+    steps = project_drafts(model, drafters.get("medusa"), CHAIN)
+    with torch.no_grad():
+        for committed, root, ours in steps:
+            chain = [p for p in CHAIN if p in ours]  # near the end the verifier cuts the tree
+            theirs = vllm_medusa_drafts(tmp_path / "x", last_hidden(made["base"], committed), len(chain))
+            assert theirs == [ours[p] for p in chain]
+
+
+def test_reference_medusa_reader_drafts_our_tree(made, tmp_path):
+    """FasterDecoding/Medusa drafts the tree it is given (medusa_choices): every node of every step equals ours."""
+    model = exported(made, made[("medusa", True, "full")], "reference", tmp_path / "x")
+    with torch.no_grad():
+        for committed, root, ours in project_drafts(model, drafters.get("medusa"), TREE):
+            tree = [p for p in TREE if p in ours]  # near the end the verifier cuts the tree
+            assert reference_medusa_drafts(tmp_path / "x", last_hidden(made["base"], committed), root, tree) == ours
+
+
+@pytest.mark.parametrize("fmt,tag", [("sglang", "vocab"), ("sglang", "full"), ("reference", "full")])
+def test_eagle_readers_draft_our_tree(made, tmp_path, fmt, tag):
+    """SGLang's and SafeAILab's EAGLE layer, read from the export, draft every node of every step as our
+    layer does, with the token map (SGLang) and without."""
+    model = exported(made, made[("eagle", tag)], fmt, tmp_path / "x")
+    token_map = torch.load(tmp_path / "x" / "token_map.pt", weights_only=True) if tag == "vocab" else None
+    if tag == "vocab":
+        assert torch.equal(token_map, made["vocab"])
+    with torch.no_grad():
+        for committed, root, ours in project_drafts(model, drafters.get("eagle"), TREE):
+            tree = [p for p in TREE if p in ours]  # near the end the verifier cuts the tree
+            theirs = eagle_drafts(tmp_path / "x", fmt, target_of(made["base"]), committed, root, tree, token_map)
+            assert theirs == ours, (committed.tolist(), root)
+
+
+def test_q_and_k_rows_left_permuted_are_caught(made, tmp_path, monkeypatch):
+    """The planted mistake: the export keeps GGUF's row order (our interleaved RoPE's). Run through our own
+    RoPE it would be invisible; the reader's rotate-half RoPE drafts other tokens."""
+    monkeypatch.setattr(lab_export, "rotate_half_rows", lambda weight, n_head: weight)
+    model = exported(made, made[("eagle", "full")], "sglang", tmp_path / "x")
+    differ = 0
+    with torch.no_grad():
+        for committed, root, ours in project_drafts(model, drafters.get("eagle"), TREE):
+            tree = [p for p in TREE if p in ours]
+            differ += eagle_drafts(tmp_path / "x", "sglang", target_of(made["base"]), committed, root, tree) != ours
+    assert differ >= 2
+
+
+# ---------------------------------------------------------------- names, fields, refusals
+
+@pytest.mark.parametrize("pair", list(LOADERS))
+def test_an_export_holds_what_its_loader_reads(made, tmp_path, pair):
+    """The config fields each loader reads are there, and the tensor names are its own, none other; the
+    README names the base, the tree, the serve command and the loader's commit. bfloat16 as asked (a
+    token map stays integer)."""
+    drafter, fmt = pair
+    path = made[("medusa", True, "vocab" if fmt == "vllm" else "full")] if drafter == "medusa" else \
+        made[("eagle", "vocab" if fmt == "sglang" else "full")]
+    exported(made, path, fmt, tmp_path / "x", "bfloat16")
+    loader = LOADERS[pair]
+    config, _ = read_folder(tmp_path / "x")
+    assert set(loader["config"]) <= set(config), set(loader["config"]) - set(config)
+    raw = torch.load(tmp_path / "x" / loader["weights"], weights_only=True) if loader["weights"].endswith(".pt") \
+        else __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "x" / loader["weights"]))
+    for name, t in raw.items():
+        assert any(re.fullmatch(p, name) for p in loader["tensors"]), name
+        assert t.dtype == (torch.int64 if name == "token_map" else torch.bfloat16), name
+    text = (tmp_path / "x" / "README.md").read_text()
+    for needed in ("Q4_1", "HuggingFaceTB/SmolLM2-135M-Instruct", "```bash", "not run", "tree"):
+        assert needed in text, needed
+    assert loader["file"].split("@ ")[1][:12] in text  # the commit the loader was read at
+    if pair == ("medusa", "vllm"):
+        assert config["medusa_fc_bias"] is True and "chain" in text
+    if drafter == "eagle":
+        assert config["rope_theta"] == 1000.0
+        assert config.get("bias") is (True if fmt == "reference" else None)  # SGLang reads `bias` as attention biases
+
+
+def test_the_eagle_config_parses_as_a_llama_config(made, tmp_path):
+    """Where transformers is installed: the Llama-shaped config.json is a LlamaConfig of the layer's shape."""
+    transformers = pytest.importorskip("transformers")
+    for fmt in ("sglang", "reference"):
+        exported(made, made[("eagle", "full")], fmt, tmp_path / fmt)
+        cfg = transformers.LlamaConfig.from_pretrained(str(tmp_path / fmt))
+        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+        assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers,
+                cfg.intermediate_size, theta) == (64, 4, 2, 1, 96, 1000.0)
+
+
+@pytest.mark.parametrize("pair", list(REFUSED))
+def test_a_format_without_the_drafters_loader_is_refused(made, tmp_path, pair, capsys):
+    """Refused before anything is read or written, in one line that names what is missing."""
+    drafter, fmt = pair
+    to = tmp_path / "to"
+    assert cli.finish(export.main, ["--out", str(tmp_path), "--drafter", drafter, "--format", fmt,
+                                    "--to", str(to)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and REFUSED[pair][0] in err[0], err
+    assert not to.exists()
+
+
+@pytest.mark.parametrize("pair,missing", [(("medusa", "reference"), "no truncated vocabulary"),
+                                          (("eagle", "reference"), "no truncated vocabulary")])
+def test_a_drafting_vocabulary_the_format_cannot_hold_is_refused(made, tmp_path, pair, missing, monkeypatch, capsys):
+    drafter, fmt = pair
+    monkeypatch.setattr(checkpoints, "build_base", lambda info, device="cpu": made["base"])
+    path = made[("medusa", True, "vocab")] if drafter == "medusa" else made[("eagle", "vocab")]
+    to = tmp_path / "to"
+    assert cli.finish(export.main, ["--out", str(path.parent), "--drafter", drafter, "--format", fmt,
+                                    "--to", str(to)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and missing in err[0], err
+    assert not to.exists() or not os.listdir(to)
+
+
+def test_the_command_exports_and_refuses_the_users_mistakes(made, tmp_path, monkeypatch, capsys):
+    """export.py end to end (the base stood in for by the random one): it writes the folder and prints the
+    serve command. A missing checkpoint, a drafter with no format (MTP), a checkpoint of the tiny GPT and
+    a folder that holds files without --force are each one `error:` line, and nothing is overwritten."""
+    monkeypatch.setattr(checkpoints, "build_base", lambda info, device="cpu": copy.deepcopy(made["base"]))
+    out = str(made[("eagle", "vocab")].parent)
+    to = tmp_path / "eagle-sglang"
+    args = ["--out", out, "--drafter", "eagle", "--format", "sglang", "--to", str(to)]
+    assert cli.finish(export.main, args) == 0
+    printed = capsys.readouterr().out
+    assert "--speculative-algorithm EAGLE" in printed and "--speculative-num-draft-tokens 7" in printed
+    assert sorted(os.listdir(to)) == ["README.md", "config.json", "model.safetensors", "token_map.pt"]
+    before = {n: (to / n).read_bytes() for n in os.listdir(to)}
+
+    def one_error(argv, code, *words):
+        assert cli.finish(export.main, argv) == code
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and all(w in err[0] for w in words), err
+
+    one_error(args, 1, "already holds files", "--force")
+    assert {n: (to / n).read_bytes() for n in os.listdir(to)} == before
+    assert cli.finish(export.main, args + ["--force"]) == 0
+    one_error(["--out", str(tmp_path / "none"), "--drafter", "eagle", "--format", "sglang",
+               "--to", str(tmp_path / "n")], 1, "not found", "train_heads.py --base smollm2 --drafters eagle")
+    one_error(["--out", out, "--drafter", "mtp", "--format", "vllm", "--to", str(tmp_path / "m")], 2, "--drafter mtp")
+    gpt_folder = tmp_path / "gpt"
+    gpt_folder.mkdir()
+    gpt = MedusaModel(GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=16)), num_heads=2)
+    checkpoints.save(gpt_folder / "medusa.pt", base=checkpoints.gpt_base_entry(gpt.base.config), done=True,
+                     drafter={"kind": "medusa", "config": {"num_heads": 2, "share_lm_head": False}},
+                     model=gpt.state_dict(), trees=trees_json([(0,)]))
+    one_error(["--out", str(gpt_folder), "--drafter", "medusa", "--format", "vllm", "--to", str(tmp_path / "g")], 1,
+              "the tiny GPT", "no serving engine")
+    assert not (tmp_path / "n").exists() and not (tmp_path / "m").exists() and not (tmp_path / "g").exists()
+
+
+def test_a_users_mistake_is_one_line_from_the_shell(tmp_path):
+    """The real entry point: a missing checkpoint is one line on stderr, exit status 1, nothing written."""
+    result = subprocess.run([sys.executable, "export.py", "--out", str(tmp_path), "--drafter", "medusa",
+                             "--format", "vllm", "--to", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    assert not (tmp_path / "x").exists()
