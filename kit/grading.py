@@ -27,13 +27,10 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from lab import stubs  # noqa: E402  (the kit uses the lab; the lab never uses the kit)
+from lab.cli import UsageError  # noqa: E402  (a mistake of the person running a command: one line, exit 2)
 
 MAPPING = "kit/assignments.toml"
 MUTANTS = "kit/mutants.toml"  # instructors only: never copied into a student version
-
-
-class UsageError(Exception):
-    """A mistake of the person running a command: printed as one line, `error: ...`."""
 
 
 # ----------------------------------------------------------------------------------------------
