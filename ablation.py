@@ -39,9 +39,14 @@ thread count. Writes out/ablation.json.
 """
 import sys
 
-from lab import ablations, cli, stubs
-from lab.cli import UsageError
-from lab.devices import pick_device
+from lab import cli
+
+if __name__ == "__main__":
+    cli.use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
+
+from lab import ablations, stubs  # noqa: E402
+from lab.cli import UsageError  # noqa: E402
+from lab.devices import pick_device  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -75,5 +80,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.use_fast_malloc()
     sys.exit(cli.finish(main))

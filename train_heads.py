@@ -13,10 +13,15 @@ reused; an interrupted one continues with --resume; one trained for other settin
 import os
 import sys
 
-from lab import cli, drafters, gpt_pipeline, smollm_pipeline, stubs
-from lab.cli import UsageError
-from lab.config import PRESETS, SmolRun, flag_of, gpt_run
-from lab.devices import pick_device
+from lab import cli
+
+if __name__ == "__main__":
+    cli.use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
+
+from lab import drafters, gpt_pipeline, smollm_pipeline, stubs  # noqa: E402
+from lab.cli import UsageError  # noqa: E402
+from lab.config import PRESETS, SmolRun, flag_of, gpt_run  # noqa: E402
+from lab.devices import pick_device  # noqa: E402
 
 INTEGERS = {  # flag: (lowest, highest) allowed
     "base_steps": (1, None), "head_steps": (1, None), "joint_steps": (1, None), "eagle_steps": (1, None),
@@ -150,5 +155,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.use_fast_malloc()
     sys.exit(cli.finish(main))
