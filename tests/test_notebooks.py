@@ -111,6 +111,48 @@ def test_no_committed_output_prints_nan_or_inf(notebook):
             assert hit is None, f"{os.path.basename(notebook)}, code cell {i}: {line.strip()[:200]!r}"
 
 
+ALLOWED_NUMBERS = os.path.join(ROOT, "notebooks", "allowed_numbers.txt")
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?:x|%)?|(?<![\w.])\d+(?:x|%)(?!\w)")  # 1.55, 10%, 2.97x; not 3 or 2048
+REFERENCE = re.compile(r"\b(?:[Ss]ections?|Figs?\.|Table|arXiv)\s+\d+(?:\.\d+)*(?:\s*(?:,|and|-)\s*\d+(?:\.\d+)*)*")
+
+
+def prose_figures(markdown):
+    """The decimal numbers, percentages and Nx of a markdown cell's prose: code, LaTeX, link targets and
+    section, figure or table numbers left out."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    text = re.sub(r"`[^`]*`", "", text)
+    text = re.sub(r"\$\$.*?\$\$", "", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]*\$", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return FIGURE.findall(REFERENCE.sub("", text))
+
+
+def allowed_numbers():
+    """notebooks/allowed_numbers.txt: {figure: why it may be typed}."""
+    rows = [line.split(None, 1) for line in open(ALLOWED_NUMBERS, encoding="utf-8")
+            if line.strip() and not line.startswith("#")]
+    assert all(len(row) == 2 for row in rows), "each line of allowed_numbers.txt gives a figure and its reason"
+    return {figure: reason.strip() for figure, reason in rows}
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_no_run_figure_is_typed_into_the_prose(notebook):
+    """A figure a run produces is printed by a cell, never typed: it would go stale with the next run.
+    Every decimal number, percentage and Nx in the markdown is one notebooks/allowed_numbers.txt lists,
+    with its reason (a constant, a default, the paper's)."""
+    allowed = allowed_numbers()
+    for i, cell in enumerate(cells(notebook, "markdown")):
+        typed = [f for f in prose_figures("".join(cell["source"])) if f not in allowed]
+        assert not typed, f"{os.path.basename(notebook)}, markdown cell {i}: {typed} (print it from a cell, or list it)"
+
+
+def test_the_typed_figure_check_catches_a_sum_and_a_copy():
+    """What it was written for: a sum of run figures typed into the prose, and a copy of a printed one."""
+    assert prose_figures("they sum to 0.73 + 0.46 = 1.19 before, about +0.04") == ["0.73", "0.46", "1.19", "0.04"]
+    assert prose_figures("where the 64-node tree timed here costs 2.97x, 10% more") == ["2.97x", "10%"]
+    assert prose_figures("paper section 2.3.3, Fig. 4, `lr = 3e-3`, $0.8^k$, [a](x/1.5.md), 64 nodes") == []
+
+
 CHOSEN = re.compile(r"^chosen tree: \d+ nodes \[.*\]$", re.MULTILINE)  # course.chosen_tree's one format
 
 
