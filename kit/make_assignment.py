@@ -246,6 +246,16 @@ def copy_trained_runs(root: Path, out: Path):
                 shutil.copy2(run / name, target / name)
 
 
+def restore_bodies(copy, assignment: dict, root=ROOT):
+    """What a student does, done with the reference's bodies: put them back into every stub of `assignment`
+    in the student version at `copy` (the kit's self-check; an instructor checking a copy by hand)."""
+    for file, stubs in stubs_by_file(assignment).items():
+        original, source = read_source(Path(root) / file), read_source(Path(copy) / file)
+        for name, _ in stubs:
+            source = replace_body(source, name, get_body(original, name))
+        write_source(Path(copy) / file, source)
+
+
 def make_assignment(number, out, root=ROOT, in_sequence=True, models=True) -> list[str]:
     """Copy the project at `root` into `out` with assignment `number` stubbed, and (in_sequence) every
     later assignment's functions stubbed without a hint, and (models) the instructor's trained runs

@@ -245,30 +245,10 @@ def true_joint(model, prompt, temperature, n, vocab):
     return joint.view((vocab,) * n)
 
 
-def chi_square(counts, probs):
-    """Pearson's chi-square test of draws against the probabilities they should follow: counts and probs
-    of the same shape. Cells expecting fewer than 5 draws are pooled into one, when there are any.
-
-    Returns (p-value, the cell (an index into probs) contributing most, its observed and expected
-    counts). A p-value far below the false alarm rate chosen says the draws do not follow the probabilities."""
-    n = counts.sum()
-    expected = probs.flatten().double() * n
-    observed = counts.flatten().double()
-    contribution = (observed - expected) ** 2 / expected
-    small = expected < 5
-    worst = int(contribution.masked_fill(small, -1).argmax())
-    if small.any():  # no pooled cell when none is small: it would be 0 / 0
-        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-        observed = torch.cat([observed[~small], observed[small].sum().view(1)])
-    stat = ((observed - expected) ** 2 / expected).sum()
-    df = len(expected) - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2))
-    cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
-    return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
-
-
-def _pearson_p(observed, expected):
-    """Pearson's chi-square p-value of observed counts against expected ones, cells expecting under 5 pooled."""
+def pearson(observed, expected):
+    """Pearson's chi-square statistic of observed counts against expected ones, and its degrees of freedom:
+    cells expecting fewer than 5 draws pooled into one, when there are any (none when none is small: it
+    would be 0 / 0), cells expecting none left out."""
     observed, expected = observed.double().flatten(), expected.double().flatten()
     small = expected < 5
     if small.any():
@@ -279,12 +259,28 @@ def _pearson_p(observed, expected):
     return stat, df
 
 
-def _survival(stat, df):
+def survival(stat, df):
     """P(chi-square with df degrees of freedom > stat)."""
     if df <= 0:
         return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), torch.tensor(stat / 2,
-                                                                                                dtype=torch.double)))
+    half = torch.tensor([df / 2, stat / 2], dtype=torch.double)
+    return float(torch.special.gammaincc(half[0], half[1]))
+
+
+def chi_square(counts, probs):
+    """Pearson's chi-square test of draws against the probabilities they should follow: counts and probs
+    of the same shape. Cells expecting fewer than 5 draws are pooled into one, when there are any.
+
+    Returns (p-value, the cell (an index into probs) contributing most, its observed and expected
+    counts). A p-value far below the false alarm rate chosen says the draws do not follow the probabilities."""
+    n = counts.sum()
+    expected = probs.flatten().double() * n
+    observed = counts.flatten().double()
+    contribution = (observed - expected) ** 2 / expected
+    worst = int(contribution.masked_fill(expected < 5, -1).argmax())
+    p = survival(*pearson(observed, expected))
+    cell = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), probs.shape))
+    return p, cell, int(counts.flatten()[worst]), float(probs.flatten()[worst] * n)
 
 
 def chi_square_family(counts, probs, alpha=1e-3):
@@ -300,7 +296,7 @@ def chi_square_family(counts, probs, alpha=1e-3):
     for j in range(k):
         others = tuple(i for i in range(k) if i != j)
         c, q = (counts.sum(others), probs.sum(others)) if others else (counts, probs)
-        p[f"x{j + 1}"] = _survival(*_pearson_p(c, c.sum() * q / q.sum()))
+        p[f"x{j + 1}"] = survival(*pearson(c, c.sum() * q / q.sum()))
     for j in range(1, k):
         later = tuple(range(j + 1, k))
         c = (counts.sum(later) if later else counts).reshape(-1, probs.shape[j])   # (prefixes, V)
@@ -308,9 +304,9 @@ def chi_square_family(counts, probs, alpha=1e-3):
         stat, df = 0.0, 0
         for row_c, row_q in zip(c, q):
             if row_c.sum() > 0 and row_q.sum() > 0:
-                s, d = _pearson_p(row_c, row_c.sum() * row_q / row_q.sum())
+                s, d = pearson(row_c, row_c.sum() * row_q / row_q.sum())
                 stat, df = stat + s, df + d
-        p[f"x{j + 1} | x<{j + 1}"] = _survival(stat, df)
+        p[f"x{j + 1} | x<{j + 1}"] = survival(stat, df)
     level = alpha / len(p)
     worst = min(p, key=p.get)
     return {"p": p, "level": level, "passed": p[worst] > level, "worst": worst}

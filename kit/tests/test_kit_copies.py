@@ -69,15 +69,6 @@ def test_a_copy_fails_exactly_the_tests_its_assignment_lists(n, tmp_path):
                 f"list it (kit/tests/README.md)")
 
 
-def restore_bodies(copy: Path, number):
-    """What a student does, done with the original bodies: put them back into every stub."""
-    for file, stubs in ma.stubs_by_file(MAPPING["assignment"][number]).items():
-        original, source = ma.read_source(ROOT / file), ma.read_source(copy / file)
-        for name, _ in stubs:
-            source = ma.replace_body(source, name, ma.get_body(original, name))
-        ma.write_source(copy / file, source)
-
-
 @pytest.mark.parametrize("n", ASSIGNMENTS)
 def test_original_bodies_give_back_the_project(n, tmp_path):
     """Every file of the student version, its stubs filled with the original bodies, is the project's;
@@ -89,7 +80,7 @@ def test_original_bodies_give_back_the_project(n, tmp_path):
         source = ma.read_source(copy / file)
         for name, hint in stubs:
             assert ma.get_body(source, name) == [ma.stub_line(ma.body_range(source, name)[2], n, name, hint)]
-    restore_bodies(copy, n)
+    ma.restore_bodies(copy, MAPPING["assignment"][n])
     project = [f for f in ma.project_files(ROOT) if not f.startswith((*MAPPING["exclude"], ma.PRIVATE_DIR))]
     secret = [line for lines in ma.solution_lines(ROOT, project, a["stubs"]).values() for line in lines]
     for f in project:

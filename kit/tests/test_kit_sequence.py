@@ -105,14 +105,6 @@ def grade_in(copy) -> tuple:
     return proc, json.loads((copy / "result.json").read_text())["assignments"]
 
 
-def restore_bodies(copy: Path, number):
-    for file, stubs in ma.stubs_by_file(MAPPING["assignment"][number]).items():
-        original, source = ma.read_source(ROOT / file), ma.read_source(copy / file)
-        for name, _ in stubs:
-            source = ma.replace_body(source, name, ma.get_body(original, name))
-        ma.write_source(copy / file, source)
-
-
 def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(copies, tmp_path):
     """grade.py in the copy for 3 as handed out: its own tests fail with its stubs, the end-to-end ones
     wait for assignment 4 (LATER); once 3 is done, the copy passes although 4 and 5 are still stubs."""
@@ -121,7 +113,7 @@ def test_a_copy_in_sequence_grades_what_it_can_and_says_what_waits(copies, tmp_p
     waits = [t for t in a["3"]["tests"] if t not in graded_now]
     assert graded_now and waits and a["3"]["efficiency"]
     done = Path(shutil.copytree(copies / "3", tmp_path / "done-3"))
-    restore_bodies(done, "3")
+    ma.restore_bodies(done, MAPPING["assignment"]["3"])
     for copy, code in ((copies / "3", 1), (done, 0)):
         proc, result = grade_in(copy)
         assert proc.returncode == code, proc.stdout[-3000:]
