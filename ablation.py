@@ -46,7 +46,7 @@ if __name__ == "__main__":
 
 from lab import ablations, stubs  # noqa: E402
 from lab.cli import UsageError  # noqa: E402
-from lab.devices import pick_device  # noqa: E402
+from lab.devices import add_dtype_flag, chosen_dtype, pick_device  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=cli.text, default="out", help="the folder `python train_heads.py` wrote (paper heads)")
     p.add_argument("--threads", type=cli.threads, help="one CPU thread count (default: every count from 1 to the cores)")
     p.add_argument("--device", type=cli.text, help="cuda, mps or cpu; default: the first available in that order")
+    add_dtype_flag(p, default=None)  # None: auto, where the ablation decodes
     p.add_argument("--mtp", type=cli.integer(1, 8), metavar="D", help="instead: a base trained with D MTP modules, "
                    "at equal time")
     p.add_argument("--eagle-loss", choices=["tokens"], help="instead: EAGLE's layer trained on this loss against "
@@ -63,6 +64,9 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if sum(map(bool, (a.mtp, a.eagle_loss, a.eagle_budget))) > 1:
         raise UsageError("--mtp, --eagle-loss and --eagle-budget are three ablations: run them one at a time")
+    if a.dtype and (a.mtp or a.eagle_budget):
+        raise UsageError(f"--dtype: {'--mtp' if a.mtp else '--eagle-budget'} judges what training gives (held-out loss "
+                         f"and accuracies, in float32), not decoding")
     a.device = pick_device(a.device)
     return a
 
@@ -72,11 +76,12 @@ def main(argv=None):
     stubs.require_written("ablation.py", {"eagle", "feature_drafter", "mtp"})
     if a.mtp:
         return ablations.mtp_base(a.out, a.mtp, a.device, a.threads)
-    if a.eagle_loss:
-        return ablations.eagle_loss(a.out, a.eagle_loss, a.device, a.threads)
     if a.eagle_budget:
         return ablations.eagle_budget(a.out, a.device, a.threads)
-    return ablations.shared_lm_head(a.out, a.device, a.threads)
+    dtype = chosen_dtype(a.dtype or "auto", a.device, "gpt")
+    if a.eagle_loss:
+        return ablations.eagle_loss(a.out, a.eagle_loss, a.device, a.threads, dtype)
+    return ablations.shared_lm_head(a.out, a.device, a.threads, dtype)
 
 
 if __name__ == "__main__":

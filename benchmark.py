@@ -20,7 +20,7 @@ import torch
 
 from lab import checkpoints, cli, drafters, folder, gpt_pipeline, probes, report, stubs, timing
 from lab.cli import RunError, UsageError
-from lab.devices import draft_cheaply, pick_device
+from lab.devices import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, draft_cheaply, pick_device
 from lab.trees import tree_label, trees_of
 
 
@@ -41,6 +41,7 @@ def parse_args(argv=None):
                                                                "eagle.pt, ...) and the tokenizer; the results go here")
     p.add_argument("--threads", type=cli.threads, help="torch CPU threads (default: every count from 1 to the cores)")
     p.add_argument("--device", type=cli.text, help="cuda, mps or cpu; default: the first available in that order")
+    add_dtype_flag(p)
     p.add_argument("--prompts", type=cli.integer(1, 1000), help="held-out prompts (default: the run's)")
     p.add_argument("--tokens", type=cli.integer(1, 8192), help="new tokens per prompt (default: the run's)")
     p.add_argument("--drafter", choices=drafters.names(),
@@ -77,17 +78,18 @@ def main(argv=None):
     folder.check_writable(a.out)  # before minutes of measuring
     if a.threads:
         torch.set_num_threads(a.threads)
-    drafted = []
+    drafted, dtype, reference = [], None, None
     for name in present:
         path = os.path.join(a.out, f"{name}.pt")
         model, ckpt = checkpoints.load_model(path, a.device, drafter=name, base_kind="gpt")
         try:
-            chosen = trees_of(ckpt)
+            chosen = trees_of(ckpt, dtype := dtype or chosen_dtype(a.dtype, a.device, "gpt"))
         except KeyError:
             raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
-        drafted.append(report.Drafted(drafters.get(name), draft_cheaply(model, a.device), chosen,
-                                      {"seconds": ckpt.get("metrics", {}).get("seconds"),
-                                       "parameters": report.parameters(model)}))
+        reference = reference or (None if dtype == "float32" else model.base)  # the float32 model, beside
+        drafted.append(report.Drafted(drafters.get(name), draft_cheaply(decoding_copy(model, DTYPES[dtype]), a.device),
+                                      chosen, {"seconds": ckpt.get("metrics", {}).get("seconds"),
+                                               "parameters": report.parameters(model)}))
     path = os.path.join(a.out, f"{present[0]}.pt")
     ckpt, run = gpt_pipeline.reopen(path, a.device)
     run.report_prompts = a.prompts or run.report_prompts
@@ -95,10 +97,10 @@ def main(argv=None):
     enc = checkpoints.load_tokenizer(path, ckpt)
     val_ids = gpt_pipeline.held_out_ids(run, enc)
     with folder.locked(a.out):
-        return measure(a, run, drafted, enc, val_ids)
+        return measure(a, run, drafted, enc, val_ids, reference)
 
 
-def measure(a, run, drafted, enc, val_ids):
+def measure(a, run, drafted, enc, val_ids, reference=None):
     device = a.device
     if a.ceiling:  # T = 0.7, as the report's sampled modes
         torch.manual_seed(run.seed)
@@ -128,7 +130,7 @@ def measure(a, run, drafted, enc, val_ids):
         table = report.equal_trees(drafted, prompts, run.report_tokens, a.nodes, threads)
         report.write_json(os.path.join(a.out, "equal_trees.json"), table)
         return table
-    result = report.run_report(drafted, prompts, run.report_tokens, threads)
+    result = report.run_report(drafted, prompts, run.report_tokens, threads, reference=reference)
     result.update(preset=run.preset, device=str(device),
                   sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(result["sample"]))
     report.write_report(result, a.out)

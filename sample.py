@@ -12,7 +12,7 @@ import torch
 
 from lab import checkpoints, cli, drafters, stubs, timing
 from lab.cli import RunError, UsageError
-from lab.devices import draft_cheaply, pick_device
+from lab.devices import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, decoding_dtype, draft_cheaply, pick_device
 from lab.trees import tree_label, trees_of
 from medusa_mini import generate
 from verify import SAMPLING
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--compare", action="store_true", help="also time plain decoding, and print both speeds")
     p.add_argument("--device", type=cli.text, help="cuda, mps or cpu; default: the first available in that order")
     p.add_argument("--seed", type=cli.integer(0, 2**31 - 1), default=0, help="seed for sampling")
+    add_dtype_flag(p)
     args = p.parse_args(argv)
     if args.base == "gpt" and args.chat is not None:
         raise UsageError("--chat talks to SmolLM2: add --base smollm2 (the GPT continues a --prompt)")
@@ -82,9 +83,10 @@ def main(argv=None):
     if not os.path.exists(path) and os.path.exists(tiny):  # a student copy comes with the tiny run
         raise RunError(f"{path} not found, but {tiny} is there: add --out {os.path.join(folder, 'tiny')}")
     model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
-    draft_cheaply(model, args.device)
+    dtype = chosen_dtype(args.dtype, args.device, args.base, quiet=True)  # said after the text
+    model = draft_cheaply(decoding_copy(model, DTYPES[dtype]), args.device)
     try:
-        trees = trees_of(ckpt)
+        trees = trees_of(ckpt, dtype)
     except KeyError:
         raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
     enc = checkpoints.load_tokenizer(path, ckpt)
@@ -119,7 +121,8 @@ def main(argv=None):
         print("\ncolours: plain = the base model's own token; " +
               ", ".join(f"{COLOURS[k]}depth {k}{RESET}" for k in range(1, 1 + max(printer.depths))))
     print(f"\n{args.drafter}: {new} tokens in {stats.steps} steps ({stats.tokens_per_step:.2f} tokens/step, "
-          f"tree: {tree_label(tree)}), {new / seconds:.0f} tokens/s as printed")
+          f"tree: {tree_label(tree)}), {new / seconds:.0f} tokens/s as printed; decoding in "
+          f"{dtype} ({decoding_dtype(args.dtype, args.device, args.base)[1]})")
     if args.compare:  # both timed without printing, after a warm-up, the same seed for each
         run(), generate(model, idx, min(n, 4), args.temperature)
         torch.manual_seed(args.seed)

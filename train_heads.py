@@ -21,7 +21,7 @@ if __name__ == "__main__":
 from lab import drafters, gpt_pipeline, smollm_pipeline, stubs  # noqa: E402
 from lab.cli import UsageError  # noqa: E402
 from lab.config import PRESETS, SmolRun, flag_of, gpt_run  # noqa: E402
-from lab.devices import pick_device  # noqa: E402
+from lab.devices import add_dtype_flag, chosen_dtype, pick_device  # noqa: E402
 
 INTEGERS = {  # flag: (lowest, highest) allowed
     "base_steps": (1, None), "head_steps": (1, None), "joint_steps": (1, None), "eagle_steps": (1, None),
@@ -30,8 +30,8 @@ INTEGERS = {  # flag: (lowest, highest) allowed
     "seed": (0, 2**31 - 1), "mtp_modules": (1, 8)}
 RATES = ("base_lr", "head_lr", "eagle_lr")  # learning rates: above 0, at most 1
 # The flags that apply to SmolLM2 (lab/config.py's SmolRun); the others shape the tiny GPT and are refused there.
-SMOLLM2_FLAGS = {"device", "threads", "seed", "resume", "retrain", "drafters", "head_steps", "head_lr", "eagle_steps",
-                 "eagle_lr", "report_prompts", "report_tokens"}
+SMOLLM2_FLAGS = {"device", "dtype", "threads", "seed", "resume", "retrain", "drafters", "head_steps", "head_lr",
+                 "eagle_steps", "eagle_lr", "report_prompts", "report_tokens"}
 
 
 def parser():
@@ -49,6 +49,7 @@ def parser():
     p.add_argument("--preset", choices=PRESETS, help="sizes and defaults; default: gpu on CUDA/MPS, else cpu")
     p.add_argument("--out", type=cli.text, help="folder for checkpoints, caches and the report (default: out)")
     p.add_argument("--device", type=cli.text, help="cuda, mps or cpu; default: the first available in that order")
+    add_dtype_flag(p)
     p.add_argument("--data", type=cli.text, help="train on this UTF-8 text file instead of Shakespeare (last 10%% held out)")
     p.add_argument("--tokenizer", choices=["bpe", "gpt2"],
                    help="bpe (default): our byte-level BPE trained on the corpus; gpt2: tiktoken's (needs a download)")
@@ -149,6 +150,7 @@ def main(argv=None):
     run = parse_args(argv)
     modules = {m for name in run.drafters for m in drafters.drafter_modules(drafters.get(name))}
     stubs.require_written("train_heads.py", modules | ({"smollm"} if isinstance(run, SmolRun) else set()))
+    run.dtype = chosen_dtype(run.dtype, run.device, "smollm2" if isinstance(run, SmolRun) else "gpt")
     if isinstance(run, SmolRun):
         return smollm_pipeline.run(run)
     return gpt_pipeline.run(run)

@@ -15,6 +15,7 @@ import torch
 
 from lab import checkpoints, drafters, gpt_pipeline, report, smollm_pipeline, timing, trees
 from lab.cli import RunError
+from lab.devices import DTYPES, decoding_copy
 from lab.config import SmolRun
 from lab.timing import Mode
 from lab.trees import trees_of
@@ -30,12 +31,12 @@ def copy_data(src, dst, prefixes):
             shutil.copy2(os.path.join(src, name), dst)
 
 
-def finished(out, name, device):
-    """(model, checkpoint, its chosen trees) of a finished drafter of a tiny-GPT run."""
+def finished(out, name, device, dtype="float32"):
+    """(model, checkpoint, its chosen trees) of a finished drafter of a tiny-GPT run, to decode in `dtype`."""
     path = os.path.join(out, f"{name}.pt")
     model, ckpt = checkpoints.load_model(path, device, drafter=name, base_kind="gpt")
     try:
-        return model, ckpt, trees_of(ckpt)
+        return decoding_copy(model, DTYPES[dtype]), ckpt, trees_of(ckpt, dtype)
     except KeyError:
         raise RunError(f"{path} has no tree yet: run `train_heads.py --drafters {name}` to the end first") from None
 
@@ -54,19 +55,19 @@ def compare_two(run, models, threads, device, val_ids):
                     "greedy_identical": timing.identical_share(runs, label, "plain greedy", threads)} for label in models}
 
 
-def shared_lm_head(out, device, threads=None):
+def shared_lm_head(out, device, threads=None, dtype="float32"):
     """The run's Medusa heads (the paper's: a copy of lm_head each) against heads sharing the frozen lm_head,
     trained the same way in OUT/shared/ (reusing the run's base, tokenizer, token ids and text)."""
-    paper, ckpt, paper_trees = finished(out, "medusa", device)
+    paper, ckpt, paper_trees = finished(out, "medusa", device, dtype)
     if ckpt["run"].get("share_lm_head"):
         raise RunError(f"{out}/medusa.pt already shares the lm_head: point --out at a run with the paper's heads")
     shared_out = os.path.join(out, "shared")
     copy_data(out, shared_out, ("base.pt", "bpe", "train_ids", "val_ids", "distill.pt"))
     _, run = gpt_pipeline.reopen(os.path.join(out, "medusa.pt"), device, share_lm_head=True, threads=threads,
-                                 drafters=("medusa",))
+                                 drafters=("medusa",), dtype=dtype)
     run.out = shared_out
     gpt_pipeline.run(run)
-    shared, shared_ckpt, shared_trees = finished(shared_out, "medusa", device)
+    shared, shared_ckpt, shared_trees = finished(shared_out, "medusa", device, dtype)
     enc = checkpoints.load_tokenizer(os.path.join(out, "medusa.pt"), ckpt)
     kind = drafters.get("medusa")
     rows = compare_two(run, {"paper": (kind, paper, paper_trees.tree), "shared": (kind, shared, shared_trees.tree)},
@@ -123,17 +124,17 @@ def mtp_base(out, depth, device, threads=None):
     return rows
 
 
-def eagle_loss(out, loss, device, threads=None):
+def eagle_loss(out, loss, device, threads=None, dtype="float32"):
     """The run's EAGLE layer (EAGLE-1's loss) against one trained the same way on another loss (eagle.LOSSES),
     in OUT/eagle-LOSS/: top-1 by depth on greedy held-out text, and greedy decoding on grown and dynamic trees."""
-    ref, ckpt, ref_trees = finished(out, "eagle", device)
+    ref, ckpt, ref_trees = finished(out, "eagle", device, dtype)
     other_out = os.path.join(out, f"eagle-{loss}")
     copy_data(out, other_out, ("base.pt", "bpe", "train_ids", "val_ids", "distill.pt"))
     _, run = gpt_pipeline.reopen(os.path.join(out, "eagle.pt"), device, eagle_loss=loss, threads=threads,
-                                 drafters=("eagle",))
+                                 drafters=("eagle",), dtype=dtype)
     run.out = other_out
     gpt_pipeline.run(run)
-    other, _, _ = finished(other_out, "eagle", device)
+    other, _, _ = finished(other_out, "eagle", device, dtype)
     kind = drafters.get("eagle")
     enc = checkpoints.load_tokenizer(os.path.join(out, "eagle.pt"), ckpt)
     val_ids = gpt_pipeline.held_out_ids(run, enc)

@@ -1,6 +1,9 @@
 """The device a run uses and what it is good at: the device from --device, checked before anything
-runs; whether bfloat16 products are native there; waiting for a GPU's queued work before a timer reads.
+runs; whether bfloat16 products are native there, and so the dtype a base decodes in (--dtype); waiting
+for a GPU's queued work before a timer reads.
 """
+import copy
+
 import torch
 
 from lab.cli import UsageError
@@ -65,12 +68,85 @@ def cpu_has_native_bf16(flags=None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
-def native_bf16(device) -> bool:
-    """Whether bfloat16 products are fast here: a CUDA GPU with bf16 tensor cores, or a CPU with bf16 instructions."""
+def bf16_units(device, flags=None) -> str | None:
+    """What makes bfloat16 products native on this device, named (None: nothing does): a CUDA GPU's bf16
+    tensor cores, or a CPU's AMX or AVX512-BF16 instructions (from the Linux flags)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    return device.type == "cpu" and cpu_has_native_bf16()
+        return "bf16 tensor cores" if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    if device.type == "cpu":
+        flags = cpu_flags() if flags is None else flags
+        return "AMX (amx_bf16)" if "amx_bf16" in flags else "AVX512-BF16 (avx512_bf16)" if "avx512_bf16" in flags else None
+    return None
+
+
+def native_bf16(device) -> bool:
+    """Whether bfloat16 products are fast here: a CUDA GPU with bf16 tensor cores, or a CPU with bf16 instructions."""
+    return bf16_units(device) is not None
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype's choices, and auto
+
+
+def auto_dtype(device_type: str, units: str | None, base_kind: str) -> tuple[torch.dtype, str]:
+    """--dtype auto: the dtype a base decodes in on this kind of device, from its bf16 units alone (bf16_units),
+    and why: bfloat16 where it is native and pays for that base, float32 everywhere else (the measurements:
+    docs/results.md, "bf16 where it is native").
+    - SmolLM2: bfloat16 on a CPU with bf16 instructions (AMX or AVX512-BF16; the definition draft_cheaply
+      uses) and on a GPU with bf16 tensor cores. Its float32 weights are 540 MB: halving the bytes pays,
+      and a bf16 pass grows far more slowly with the tokens it verifies.
+    - The tiny GPT: float32 everywhere. On a CPU a plain bf16 step of the cpu preset's model is no faster
+      than float32's (the tiny preset's is slower), and on a GPU its 14 MB of weights are not what a step
+      waits on (kernel launches are). float32 also keeps greedy speculation identical to plain greedy.
+    - A GPU without bf16 tensor cores (a T4): float32. fp16 would be its fast dtype, but a model trained in
+      bf16 or fp32 can overflow fp16's range, so it is not a choice here (training_dtype uses it for training).
+    - MPS: float32 (bf16 needs macOS 14 and is not measured here: --dtype bfloat16 to try it)."""
+    if base_kind == "gpt":
+        return torch.float32, "the tiny GPT decodes in float32: bf16 does not pay for a model this small"
+    if units is None:
+        return torch.float32, {"cuda": "this GPU has no bf16 tensor cores", "cpu": "this CPU has no bf16 "
+                               "instructions (avx512_bf16, amx_bf16)"}.get(device_type, f"bf16 is not measured on "
+                                                                                       f"{device_type}")
+    return torch.bfloat16, f"{units}: bf16 products are native here"
+
+
+def decoding_dtype(choice: str, device, base_kind: str) -> tuple[torch.dtype, str]:
+    """The dtype --dtype asks the base to decode in, and why (auto: auto_dtype on this device's units)."""
+    if choice != "auto":
+        return DTYPES[choice], "--dtype " + choice
+    device = torch.device(device)
+    dtype, why = auto_dtype(device.type, bf16_units(device), base_kind)
+    return dtype, "auto: " + why
+
+
+def add_dtype_flag(parser, default="auto"):
+    """--dtype, as every command that decodes takes it."""
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default=default,
+                        help="the base model's dtype when decoding (weights and checkpoints stay float32); auto "
+                             "(default): bfloat16 where it is native and pays for this base, else float32; it "
+                             "prints what it picked, and why")
+
+
+def chosen_dtype(choice: str, device, base_kind: str, quiet=False) -> str:
+    """decoding_dtype's choice, printed with its reason unless quiet: the dtype's name, as a run keeps it."""
+    dtype, why = decoding_dtype(choice, device, base_kind)
+    if not quiet:
+        print(f"decoding in {dtype_name(dtype)} ({why})")
+    return dtype_name(dtype)
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as a checkpoint's trees and the reports name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def decoding_copy(model, dtype):
+    """The model to decode with in `dtype`: itself when it is in that dtype already, else a copy cast to it
+    (the trained weights, and the checkpoint, stay as they are: the dtype is a decoding setting). The KV
+    cache, the tree buffers and the masks follow the base's dtype; softmax and acceptance cast the logits
+    to float32 (verify.py)."""
+    weight = model.base.lm_head.weight if hasattr(model, "base") else model.lm_head.weight
+    return model if weight.dtype == dtype else copy.deepcopy(model).to(dtype)
 
 
 def draft_cheaply(model, device):

@@ -20,7 +20,7 @@ from lab import checkpoints, data, drafters, folder, plan, report, timing, trees
 from lab.checkpoints import record
 from lab.cli import RunError, UsageError
 from lab.config import gpt_run, settings_for
-from lab.devices import draft_cheaply
+from lab.devices import DTYPES, decoding_copy, draft_cheaply
 from lab.train import autocast, corpus_batch, rows_batch, step_generator, stream_seed, train_loop, windows
 from medusa_mini import GPT, GPTConfig, generate, medusa_loss
 from mtp import MTPModel, mtp_losses, mtp_weight
@@ -422,14 +422,6 @@ def choose_trees(kind, model, run, val_ids, eval_prompts):
                         repeats=run.timing_rounds or timing.STEP_COST_REPEATS, threads=run.threads)
 
 
-def keep_trees(path, chosen: trees.Trees, dtype="float32"):
-    """Write a drafter's trees for `dtype` into its checkpoint."""
-    ckpt = checkpoints.load(path)
-    ckpt.pop("format")
-    ckpt["trees"] = {**(ckpt.get("trees") or {}), dtype: chosen.to_json()}
-    checkpoints.save(path, **ckpt)
-
-
 # ---------------------------------------------------------------------------------------- the run
 
 def run(run):
@@ -456,25 +448,26 @@ def _run(run):
     kinds = [drafters.get(name) for name in run.drafters]
     text = distill_text(run, base, train_ids, common) if any(k.distilled(run) for k in kinds) else None
     training, drafted = {"base": base_metrics}, []
-    models = {}
+    trained, dtype = {}, DTYPES[run.dtype]
     for kind in kinds:
-        model, training[kind.name] = stage_drafter(kind, run, base, base_model, text, train_ids, common, base_metrics)
-        models[kind.name] = draft_cheaply(model, device)  # decoding drafts in bf16 where it is native
+        trained[kind.name], training[kind.name] = stage_drafter(kind, run, base, base_model, text, train_ids, common,
+                                                                base_metrics)
     eval_prompts = random_prompts(val_ids, run.eval_prompts, EVAL_PROMPT, run.seed + 4, device)
-    for kind in kinds:
-        model = models[kind.name]
+    for kind in kinds:  # decoding in run.dtype, drafting in bf16 where it is native
+        model = draft_cheaply(decoding_copy(trained[kind.name], dtype), device)
         chosen = choose_trees(kind, model, run, val_ids, eval_prompts)
-        keep_trees(os.path.join(run.out, f"{kind.name}.pt"), chosen)
+        trees.keep(os.path.join(run.out, f"{kind.name}.pt"), chosen, run.dtype)
         drafted.append(report.Drafted(kind, model, chosen, {"seconds": training[kind.name]["seconds"],
                                                             "parameters": report.parameters(model)}))
     joint = next((m.get("joint") for m in training.values() if isinstance(m, dict) and m.get("joint")), None)
     if joint:
-        joint["val_loss_after"] = estimate_loss(next(d.model for d in drafted).base, val_ids, run, device)
+        joint["val_loss_after"] = estimate_loss(trained[kinds[0].name].base, val_ids, run, device)
         training["joint"] = joint
     prompts = random_prompts(val_ids, run.report_prompts, report.REPORT_PROMPT, run.seed + 5, device)
+    reference = None if dtype == torch.float32 else trained[kinds[0].name].base  # the float32 model
     result = report.run_report(drafted, prompts, run.report_tokens, timing.thread_counts(device, run.threads),
                                repeats=run.timing_rounds or report.REPORT_REPEATS,
-                               sweep_repeats=run.timing_rounds or report.SWEEP_REPEATS)
+                               sweep_repeats=run.timing_rounds or report.SWEEP_REPEATS, reference=reference)
     result.update(preset=run.preset, device=str(device), training=training, total_seconds=time.time() - t0,
                   sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(result["sample"]))
     report.write_report(result, run.out)

@@ -77,15 +77,23 @@ def summarise_drafter(d, modes, table, ops):
             "ops_ratio": ops and ops["ops_ratio"], "host_reads_per_step": ops and ops["host_reads_per_step"]}
 
 
+REFERENCE = "plain greedy, float32"  # the float32 model's plain greedy, where the drafters decode in another dtype
+
+
 def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
-               repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS):
+               repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS, reference=None):
     """The report's measurements, every drafter interleaved with plain decoding on the same prompts, best
     against best: the mode table, per-drafter summaries, ops per step, the tree-size sweep of the first
     drafter. prompts: 1-D token tensors; decode_kwargs (e.g. stop_tokens) go to every mode; peers: more
-    modes measured in the same rounds ({label: Mode}, against plain greedy). Returns the report (the
-    first drafter's figures also at the top level)."""
+    modes measured in the same rounds ({label: Mode}, against plain greedy). reference: the float32 base,
+    where the drafted models decode in another dtype: its plain greedy runs in the same rounds, the
+    precision's agreement with it is measured (precision_agreement) and each drafter is also compared
+    with the fastest plain decoding at either precision. Returns the report (the first drafter's figures
+    also at the top level)."""
     first = drafted[0]
     modes = {**report_modes(drafted), **(peers or {})}
+    if reference is not None:
+        modes[REFERENCE] = Mode(generate, model=reference)
     for mode in modes.values():
         mode.kwargs = {**mode.kwargs, **(decode_kwargs or {})}
     spread = [m for m in modes.values() if not m.every_thread_count]
@@ -117,6 +125,8 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
                   sampling_tree=None if first.trees.sampling_tree is None else tree_json(first.trees.sampling_tree),
                   accept_lengths=[a for s in runs[chosen_name, best_threads]["stats"] for a in s.accept_lengths],
                   sample=runs[chosen_name, best_threads]["outputs"][0], sweep_threads=best_threads)
+    if reference is not None:
+        report["precision"] = precision_agreement(runs, modes, table, reference, prompts, threads)
     if ops:
         report.update(ops=counts[first.name], ops_ratio=counts[first.name]["ops_ratio"],
                       host_reads_per_step=counts[first.name]["host_reads_per_step"])
@@ -135,6 +145,59 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
                                               "speedup": row["speedup"], "expected_tokens_per_step":
                                               expected_tokens_per_step(order[:n], first.trees.accuracies)})
     return report
+
+
+@torch.no_grad()
+def precision_agreement(runs, modes, table, reference, prompts, threads):
+    """How far greedy decoding in the drafted models' dtype follows the float32 model's greedy text, from the
+    report's own runs: for plain greedy and each drafter's greedy modes, the tokens written before the first
+    one that differs from the float32 text, per prompt (all of them: identical), and the float32 model's
+    top-2 logit margin at that position (how near a tie it was). Speculation adds no error of its own when
+    a drafter's runs agree about as long as plain decoding's (agreed_vs_plain near 1). Also each mode's
+    speed against the fastest plain decoding at either precision (best against best across precisions)."""
+    def output(name):
+        t = next(t for t in threads if (name, t) in runs)
+        return runs[name, t]["outputs"]
+    ref = output(REFERENCE)
+    margins = []
+    for prompt, tokens in zip(prompts, ref):
+        seq = torch.cat([prompt, torch.tensor(tokens, dtype=prompt.dtype, device=prompt.device)])
+        top2 = reference(seq.view(1, -1))[0, prompt.numel() - 1:].float().topk(2, dim=-1).values  # (n + 1, 2)
+        margins.append((top2[:, 0] - top2[:, 1]).tolist())
+    fastest_plain = max(table[name]["tokens_per_s"] for name in ("plain greedy", REFERENCE))
+    rows = {}
+    for name, mode in modes.items():
+        if mode.sampling != "greedy" or name == REFERENCE or (mode.drafter is None and name != "plain greedy"):
+            continue
+        agreed = []
+        for out, r in zip(output(name), ref):
+            n = next((i for i, (a, b) in enumerate(zip(out, r)) if a != b), min(len(out), len(r)))
+            agreed.append(n)
+        rows[name] = {"agreed": agreed, "mean_agreed": sum(agreed) / len(agreed),
+                      "identical": sum(a == len(r) for a, r in zip(agreed, ref)),
+                      "margin_at_divergence": [None if a == len(r) else m[a] for a, r, m in zip(agreed, ref, margins)],
+                      "vs_fastest_plain": table[name]["tokens_per_s"] / fastest_plain}
+    plain = rows["plain greedy"]["mean_agreed"]
+    for row in rows.values():
+        row["agreed_vs_plain"] = row["mean_agreed"] / plain if plain else float("nan")
+    dtype = str(next(m.model for m in modes.values() if m.drafter).base.lm_head.weight.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "prompts": len(prompts), "modes": rows, "fastest_plain_tokens_per_s": fastest_plain,
+            "fastest_plain": max(("plain greedy", REFERENCE), key=lambda n: table[n]["tokens_per_s"])}
+
+
+def format_precision(precision):
+    """The agreement table: each greedy mode in the decoding dtype against the float32 model's greedy text."""
+    dtype = precision["dtype"]
+    lines = [f"| greedy, {dtype} | tokens agreeing with float32 greedy: mean (per prompt) | identical to the end "
+             "| float32 top-2 margin where it leaves | against plain's agreement | tokens/s against the fastest "
+             "plain |", "|---|---|---|---|---|---|"]
+    for name, r in precision["modes"].items():
+        margins = ", ".join(f"{m:.2f}" for m in r["margin_at_divergence"] if m is not None) or "-"
+        lines.append(f"| {name} | {r['mean_agreed']:.1f} ({' '.join(map(str, r['agreed']))}) | {r['identical']}/"
+                     f"{precision['prompts']} | {margins} | {r['agreed_vs_plain']:.2f} | {r['vs_fastest_plain']:.2f}x |")
+    return "\n".join(lines) + (f"\n\nThe fastest plain decoding here: {precision['fastest_plain']} "
+                               f"({precision['fastest_plain_tokens_per_s']:.0f} tokens/s); `{REFERENCE}` is the "
+                               f"float32 model, timed in the same rounds.")
 
 
 def equal_trees(drafted, prompts, n_new, sizes, threads, repeats=REPORT_REPEATS):
@@ -229,6 +292,8 @@ def write_report(report, out):
           f"{repeats} interleaved runs{' (of two, their mean)' * (repeats == 2)}; the plain "
           "modes and each drafter's chosen tree run at every thread count, the other modes at the count fastest "
           "for them on the first prompt.", "", format_drafters(report), "", table, ""]
+    if "precision" in report:
+        md += [f"## {report['precision']['dtype']} against float32", "", format_precision(report["precision"]), ""]
     if "ops" in report:
         md += [probes.format_ops(report["ops"]), ""]
     if "tree_size_sweep" in report:
@@ -250,6 +315,8 @@ def write_report(report, out):
     folder.write_text(os.path.join(out, "report.md"), "\n".join(md) + "\n")
     print("\n" + table)
     print("\n" + format_drafters(report))
+    if "precision" in report:
+        print("\n" + format_precision(report["precision"]))
     if "ops" in report:
         print("\n" + probes.format_ops(report["ops"]))
     print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")

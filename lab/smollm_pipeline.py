@@ -29,7 +29,7 @@ from lab import checkpoints, drafters, folder, report, timing, trees
 from lab.chat_prompts import instruction_prompts, same_length_batches
 from lab.checkpoints import SMOLLM2_BASE, drafter_state, record
 from lab.config import as_dict, settings_for
-from lab.devices import draft_cheaply, native_bf16, sync
+from lab.devices import DTYPES, decoding_copy, draft_cheaply, native_bf16, sync
 from lab.train import step_generator, stream_seed, to_device
 from lab.timing import Mode
 from medusa_mini import generate
@@ -210,23 +210,19 @@ def _run(run):
     stops = smollm.stop_tokens(enc)
     prompts = [torch.tensor(smollm.chat_tokens(enc, p), device=device)
                for p in held_out[::max(1, len(held_out) // run.report_prompts)]][:run.report_prompts]
-    drafted, precision = [], {}
+    drafted, precision, dtype = [], {}, DTYPES[run.dtype]
     for name in run.drafters:
         kind = drafters.get(name)
-        model, metrics = train_drafter(kind, run, base, h, y, vocab, device)
-        draft_cheaply(model, device)
+        trained, metrics = train_drafter(kind, run, base, h, y, vocab, device)
+        model = draft_cheaply(decoding_copy(trained, dtype), device)  # decoding in run.dtype
         model.draft_vocab = vocab.to(device)
         chosen = trees.choose(kind, model, run, texts(*held), texts(*held_sampled), prompts[0], device, 64, 10,
                               vocab.to(device), sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS,
                               threads=run.threads)
-        path = os.path.join(run.out, f"{name}.pt")
-        ckpt = checkpoints.load(path, device)
-        ckpt.pop("format")
-        ckpt["trees"] = {**(ckpt.get("trees") or {}), "float32": chosen.to_json()}
-        checkpoints.save(path, **ckpt)
+        trees.keep(os.path.join(run.out, f"{name}.pt"), chosen, run.dtype)
         drafted.append(report.Drafted(kind, model, chosen, {"seconds": metrics["seconds"],
                                                             "parameters": report.parameters(model)}))
-        if fast:  # trained on a bf16 copy's features, drafting from fp32 ones: does it cost?
+        if fast and dtype == torch.float32:  # trained on a bf16 copy's features, drafting from fp32 ones: does it cost?
             precision[name] = dict(zip(("fp32", "bf16"), feature_precision(kind, model, base, enc, held_out, held,
                                                                            vocab.to(device), kind.depth(model, run))))
             print(f"{name}: held-out top-1 by depth fed the fp32 features decoding reads " +
@@ -234,15 +230,19 @@ def _run(run):
                   " ".join(f"{a:.3f}" for a in precision[name]["bf16"]))
     threads = best_threads(drafted[0].trees.costs) if run.threads is None else [run.threads]
     result = report.run_report(drafted, prompts, run.report_tokens, threads, {"stop_tokens": stops},
-                               peer_modes(device), ops=False, sweep=False, repeats=1)
-    curve = forward_costs(base)
-    result.update(model="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", device=str(device),
-                  forward_ms=curve, draft_vocab=len(vocab), total_seconds=time.time() - t_start, preset="smollm2",
-                  feature_precision=precision, sample=enc.decode(result["sample"]),
-                  plain_step_ms=drafted[0].trees.costs[threads[-1]]["plain_step_ms"])
+                               peer_modes(device), ops=False, sweep=False, repeats=1,
+                               reference=None if dtype == torch.float32 else base)
+    curves = {run.dtype: forward_costs(drafted[0].model.base)}  # the decoding dtype's, and float32's beside it
+    if dtype != torch.float32:
+        curves["float32"] = forward_costs(base)
+    result.update(model="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", device=str(device), dtype=run.dtype,
+                  forward_ms=curves[run.dtype], forward_ms_by_dtype=curves, draft_vocab=len(vocab),
+                  total_seconds=time.time() - t_start, preset="smollm2", feature_precision=precision,
+                  sample=enc.decode(result["sample"]), plain_step_ms=drafted[0].trees.costs[threads[-1]]["plain_step_ms"])
     report.write_report(result, run.out)
-    print("one forward on a 100-token cache: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
-                                                           for n, ms in curve.items()))
+    for name, curve in curves.items():
+        print(f"one forward on a 100-token cache, {name}: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
+                                                                       for n, ms in curve.items()))
     print(f"total {time.time() - t_start:.0f}s; drafters and report in {run.out}/")
     return result
 

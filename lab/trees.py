@@ -68,11 +68,22 @@ class Trees:
 
 
 def trees_of(ckpt, dtype="float32") -> Trees:
-    """A drafter checkpoint's trees for decoding in `dtype`, else its float32 ones."""
+    """A drafter checkpoint's trees for decoding in `dtype`, else its float32 ones, else those it has (a
+    tree chosen for another dtype still decodes exactly; only its size was chosen for other costs)."""
     trees = ckpt.get("trees") or {}
     if not trees:
         raise KeyError("no trees")
-    return Trees.from_json(trees.get(str(dtype).removeprefix("torch."), trees.get("float32")))
+    name = str(dtype).removeprefix("torch.")
+    return Trees.from_json(trees.get(name) or trees.get("float32") or next(iter(trees.values())))
+
+
+def keep(path, chosen: Trees, dtype="float32"):
+    """Write a drafter's trees for decoding in `dtype` into its checkpoint, beside those of other dtypes."""
+    from lab import checkpoints
+    ckpt = checkpoints.load(path)
+    ckpt.pop("format")
+    ckpt["trees"] = {**(ckpt.get("trees") or {}), str(dtype).removeprefix("torch."): chosen.to_json()}
+    checkpoints.save(path, **ckpt)
 
 
 def accuracies(kind, model, texts, depth, ranks, vocab=None):

@@ -23,11 +23,13 @@ COMMANDS = {"train_heads": train_heads.main, "benchmark": benchmark.main, "sampl
             "ablation": ablation.main}
 
 
-def fake_cuda(monkeypatch):
-    """A torch that says it was built with CUDA and sees a GPU: parsing stands in for a CUDA machine."""
+def fake_cuda(monkeypatch, bf16=True):
+    """A torch that says it was built with CUDA and sees a GPU (with bf16 tensor cores, or without, as a T4):
+    parsing stands in for a CUDA machine."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
 
 
 def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
@@ -41,7 +43,25 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
                       "--report-tokens", "9"])
     assert got["run"] == SmolRun(out=str(tmp_path / "smollm2"), device=torch.device("cuda"), threads=1, seed=3,
                                  resume=True, drafters=("medusa",), head_steps=7, head_lr=0.01, report_prompts=2,
-                                 report_tokens=9)
+                                 report_tokens=9, dtype="bfloat16")  # --dtype auto, on a GPU with bf16
+
+
+@pytest.mark.parametrize("base", ["gpt", "smollm2"])
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_dtype_reaches_the_run_and_auto_says_what_it_picked(monkeypatch, capsys, tmp_path, base, dtype):
+    """train_heads.py --dtype: the run decodes in the dtype asked, or auto's pick (a T4 stand-in: float32,
+    no bf16 tensor cores), printed with its reason."""
+    from lab import gpt_pipeline
+    fake_cuda(monkeypatch, bf16=False)
+    got = {}
+    monkeypatch.setattr(smollm_pipeline if base == "smollm2" else gpt_pipeline, "run", lambda run: got.update(run=run))
+    train_heads.main(["--base", base, "--device", "cuda", "--dtype", dtype, "--out", str(tmp_path)])
+    expected = "float32" if dtype == "auto" else dtype
+    assert got["run"].dtype == expected
+    said = capsys.readouterr().out
+    assert f"decoding in {expected} (" in said
+    if dtype == "auto":
+        assert ("no bf16 tensor cores" if base == "smollm2" else "tiny GPT decodes in float32") in said
 
 
 @pytest.mark.parametrize("flag", [["--preset", "tiny"], ["--data", "x.txt"], ["--num-heads", "3"], ["--joint"],
@@ -131,3 +151,11 @@ def test_a_users_mistake_is_one_line_and_exit_status_2():
                             env=env, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error: --preset") and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", [["--mtp", "1"], ["--eagle-budget"]])
+def test_ablations_that_do_not_decode_refuse_dtype(flag):
+    """--dtype takes effect where an ablation decodes (the shared lm_head, EAGLE's loss) and is refused where it
+    judges training alone."""
+    with pytest.raises(UsageError, match="--dtype: .* judges what training gives"):
+        ablation.parse_args(flag + ["--dtype", "bfloat16"])

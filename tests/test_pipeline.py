@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+import benchmark
 import sample
 import train_heads
 from conftest import PERIOD, random_medusa
@@ -183,6 +184,17 @@ def test_sample_prints_text_and_stats(tiny_run, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("ROMEO:") and "tokens/step" in printed and "plain 12 tokens" in printed
     assert "\033[" not in printed  # not a terminal: no colour codes
+    assert "decoding in float32 (auto: the tiny GPT decodes in float32" in printed  # what auto picked, and why
+
+
+def test_sample_and_benchmark_decode_in_the_dtype_asked(tiny_run, capsys):
+    """--dtype bfloat16 takes effect: sample.py says so and still writes text; benchmark.py times the drafters
+    in bf16 (its ops count runs the bf16 model)."""
+    out, _ = tiny_run
+    sample.main(["--out", str(out), "--prompt", "ROMEO:", "--tokens", "8", "--dtype", "bfloat16"])
+    assert "decoding in bfloat16 (--dtype bfloat16)" in capsys.readouterr().out
+    benchmark.main(["--out", str(out), "--ops", "--drafter", "medusa", "--tokens", "8", "--dtype", "bfloat16"])
+    assert "decoding in bfloat16 (--dtype bfloat16)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("preset", PRESETS)

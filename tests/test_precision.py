@@ -1,0 +1,137 @@
+"""The decoding dtype: what --dtype auto picks from the machine's features, and what bfloat16 promises.
+
+In float32, greedy speculation equals plain greedy token for token (tests/test_decoding.py). In bf16 no
+engine can promise that: a tree pass and a one-token pass round differently. The promise is that
+speculation adds no error beyond what bf16 already makes: a tree's logits equal per-path logits within a
+few of bf16's spacings, and greedy speculation follows plain bf16 greedy until a near-tie.
+"""
+import pytest
+import torch
+
+from conftest import random_medusa
+from lab import devices
+from lab.probes import true_joint
+from medusa_mini import generate, medusa_generate
+from test_decoding import N_DRAWS, SEEDS, TREE_2, V_SMALL, assert_follows, skewed_eagle, skewed_model, skewed_mtp
+from tree import build_tree_buffers
+from verify import KVCache
+
+BF16 = torch.bfloat16
+SPACINGS = 4  # the tolerance, in bf16 spacings at the largest logit (the largest difference over 12 prefixes: 1)
+
+
+def spacing(x):
+    """bf16's spacing at |x|: the gap between x and the next bf16 number."""
+    return torch.finfo(BF16).eps * 2.0 ** torch.floor(torch.log2(x.abs().clamp(min=1e-30)))
+
+
+@pytest.mark.parametrize("flags, base, expected", [
+    ({"amx_bf16", "avx512_bf16"}, "smollm2", BF16), ({"avx512_bf16"}, "smollm2", BF16),
+    (set(), "smollm2", torch.float32), ({"amx_bf16"}, "gpt", torch.float32), (set(), "gpt", torch.float32)])
+def test_auto_picks_from_the_cpus_features(monkeypatch, flags, base, expected):
+    """--dtype auto on a CPU: bf16 for SmolLM2 where the CPU has bf16 instructions (AMX or AVX512-BF16),
+    float32 without them and for the tiny GPT; the feature probe stubbed, the reason names what it found."""
+    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
+    dtype, why = devices.decoding_dtype("auto", "cpu", base)
+    assert dtype == expected and why.startswith("auto: ")
+    if expected == BF16:
+        assert ("AMX" if "amx_bf16" in flags else "AVX512-BF16") in why
+    assert devices.decoding_dtype("bfloat16", "cpu", base) == (BF16, "--dtype bfloat16")  # asked: no probe
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, BF16), (False, torch.float32)])
+def test_auto_on_a_gpu_stand_in(monkeypatch, bf16, expected):
+    """A CUDA stand-in: SmolLM2 decodes in bf16 on bf16 tensor cores, in float32 on a GPU without them (a T4);
+    the tiny GPT in float32 either way."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+    assert devices.decoding_dtype("auto", "cuda", "smollm2")[0] == expected
+    assert devices.decoding_dtype("auto", "cuda", "gpt")[0] == torch.float32
+
+
+def test_a_decoding_copy_leaves_the_trained_model_as_it_is():
+    model = random_medusa()
+    low = devices.decoding_copy(model, BF16)
+    assert low.base.lm_head.weight.dtype == BF16 and low.heads[0].residual.weight.dtype == BF16
+    assert model.base.lm_head.weight.dtype == torch.float32 and devices.decoding_copy(model, torch.float32) is model
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+def test_bf16_tree_logits_equal_per_path_logits_within_its_spacing(prefix):
+    """In bf16, the logits at every tree node equal a plain causal forward of its own path within SPACINGS
+    of bf16's spacing at the largest logit (in float32 they are equal to 1e-5: tests/test_model.py)."""
+    torch.manual_seed(prefix)
+    model = random_medusa().base.to(BF16)
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
+    b = build_tree_buffers(choices, "cpu")
+    tokens = torch.randint(0, 32, (len(b.node_paths),))
+    committed = torch.randint(0, 32, (1, prefix))
+    cache = KVCache(model.config, extra=len(tokens), dtype=BF16)
+    if prefix:
+        model(committed, cache=cache)
+    tree_logits = model(tokens.view(1, -1), b.position_ids + prefix, b.attn_mask, cache)[0].float()  # (N, V)
+    index = {p: i for i, p in enumerate(b.node_paths)}
+    tolerance = SPACINGS * spacing(tree_logits.abs().max())
+    for i, path in enumerate(b.node_paths):
+        path_tokens = tokens[[index[path[:k]] for k in range(len(path) + 1)]].view(1, -1)
+        plain = model(torch.cat([committed, path_tokens], dim=1))[0, -1].float()
+        worst = (tree_logits[i] - plain).abs().max()
+        assert worst <= tolerance, f"node {i}, path {path}: {worst:.4f} apart, above {SPACINGS} bf16 spacings ({tolerance:.4f})"
+
+
+def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
+    """10 prompts x 64 tokens on a random model (small margins: a hard case) in bf16: Medusa's greedy text
+    equals plain bf16 greedy up to its first difference, and there plain's top-2 margin is below the
+    tolerance above (a near-tie that rounding may flip); identical to the end on most prompts (measured:
+    10 of 10 on this model)."""
+    model = random_medusa(seed=3, block_size=80).to(BF16)
+    tree = [(0,), (1,), (0, 0), (0, 0, 0)]
+    identical = 0
+    for seed in range(10):
+        prompt = torch.randint(0, 32, (1, 4), generator=torch.Generator().manual_seed(seed))
+        plain = generate(model, prompt, 64)[0]
+        fast, _ = medusa_generate(model, prompt, 64, tree)
+        fast = fast[0]
+        differ = (fast != plain).nonzero()
+        if not len(differ):
+            identical += 1
+            continue
+        first = int(differ[0])
+        top2 = model.base(plain[None, :first])[0, -1].float().topk(2).values
+        margin = top2[0] - top2[1]
+        assert margin <= SPACINGS * spacing(top2[0]), (f"prompt {seed}: speculation left plain bf16 at token {first}, "
+                                                       f"where plain's top-2 margin is {margin:.4f}: not a near-tie")
+    assert identical >= 8, f"identical to the end on {identical} of 10 prompts"
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
+def test_exact_sampling_in_bf16_draws_what_plain_bf16_sampling_draws(drafter):
+    """The same identity in bfloat16 (lab/devices.decoding_copy): the walk's conditionals are the bf16 model's,
+    softmax on float32 logits, so with the same seed it writes plain bf16 sampling's text."""
+    from eagle import eagle_generate
+    from feature_drafter import DynamicTree
+    from lab.devices import decoding_copy
+    from mtp import mtp_generate
+    model = decoding_copy({"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter](), torch.bfloat16)
+    prompt = torch.tensor([[1, 2]])
+    decode = {"medusa": medusa_generate, "eagle": eagle_generate, "mtp": mtp_generate}[drafter]
+    tree = TREE_2 if drafter == "medusa" else DynamicTree(topk=2, nodes=4, depth=2)
+    for seed in range(SEEDS // 4):
+        torch.manual_seed(seed)
+        out, _ = decode(model, prompt, 6, tree, temperature=0.7, sampling="exact")
+        torch.manual_seed(seed)
+        plain = generate(model.base, prompt, 6, temperature=0.7)
+        assert torch.equal(out, plain), f"seed {seed}: exact {out[0, 2:].tolist()}, plain {plain[0, 2:].tolist()}"
+
+
+def test_exact_sampling_in_bf16_matches_the_bf16_models_joint_distribution():
+    """The chi-square family of the float32 test, in bfloat16, against the bf16 model's own joint."""
+    from lab.devices import decoding_copy
+    torch.manual_seed(1)
+    model = decoding_copy(skewed_model(), torch.bfloat16)
+    prompt = torch.tensor([[1, 2]])
+    joint = true_joint(model, prompt, 0.7, 3, V_SMALL)
+    counts = torch.zeros(V_SMALL, V_SMALL, V_SMALL)
+    for _ in range(N_DRAWS):
+        out, _ = medusa_generate(model, prompt, 3, TREE_2, temperature=0.7, sampling="exact")
+        counts[tuple(out[0, 2:].tolist())] += 1
+    assert_follows(counts, joint, "exact sampling in bf16")
