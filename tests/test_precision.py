@@ -135,3 +135,31 @@ def test_exact_sampling_in_bf16_matches_the_bf16_models_joint_distribution():
         out, _ = medusa_generate(model, prompt, 3, TREE_2, temperature=0.7, sampling="exact")
         counts[tuple(out[0, 2:].tolist())] += 1
     assert_follows(counts, joint, "exact sampling in bf16")
+
+
+def test_the_agreement_with_float32_counts_tokens_to_the_first_difference():
+    """report.precision_agreement on hand-made runs: the tokens before each mode's first difference from the
+    float32 text, the prompts identical to the end, the float32 margin where a mode leaves, and speeds
+    against the fastest plain decoding at either precision."""
+    from lab import report
+    from lab.timing import Mode
+    model = random_medusa()
+    low = devices.decoding_copy(model, BF16)
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    ref = [[7, 8, 9, 10], [11, 12, 13, 14]]
+    outputs = {report.REFERENCE: ref, "plain greedy": [[7, 8, 0, 0], [11, 12, 13, 14]],
+               "medusa greedy": [[7, 0, 0, 0], [11, 12, 13, 14]]}
+    modes = {report.REFERENCE: Mode(generate, model=model.base), "plain greedy": Mode(generate),
+             "medusa greedy": Mode(medusa_generate, model=low, tree=[(0,)], drafter="medusa")}
+    runs = {(name, 1): {"outputs": out} for name, out in outputs.items()}
+    table = {report.REFERENCE: {"tokens_per_s": 100.0}, "plain greedy": {"tokens_per_s": 80.0},
+             "medusa greedy": {"tokens_per_s": 150.0}}
+    got = report.precision_agreement(runs, modes, table, model.base, prompts, [1])
+    plain, medusa = got["modes"]["plain greedy"], got["modes"]["medusa greedy"]
+    assert plain["agreed"] == [2, 4] and medusa["agreed"] == [1, 4] and medusa["identical"] == 1
+    assert medusa["agreed_vs_plain"] == pytest.approx(2.5 / 3) and medusa["vs_fastest_plain"] == pytest.approx(1.5)
+    with torch.no_grad():
+        logits = model.base(torch.tensor([[1, 2, 3, 7]]))[0, -1].topk(2).values
+    assert medusa["margin_at_divergence"][0] == pytest.approx(float(logits[0] - logits[1]), abs=1e-5)
+    assert medusa["margin_at_divergence"][1] is None and got["dtype"] == "bfloat16"
+    assert got["fastest_plain"] == report.REFERENCE
