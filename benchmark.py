@@ -78,12 +78,13 @@ def main(argv=None):
     folder.check_writable(a.out)  # before minutes of measuring
     if a.threads:
         torch.set_num_threads(a.threads)
-    drafted, dtype, reference = [], None, None
+    drafted, reference = [], None
+    dtype = chosen_dtype(a.dtype, a.device, "gpt")
     for name in present:
         path = os.path.join(a.out, f"{name}.pt")
         model, ckpt = checkpoints.load_model(path, a.device, drafter=name, base_kind="gpt")
         try:
-            chosen = trees_of(ckpt, dtype := dtype or chosen_dtype(a.dtype, a.device, "gpt"))
+            chosen = trees_of(ckpt, dtype)
         except KeyError:
             raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
         reference = reference or (None if dtype == "float32" else model.base)  # the float32 model, beside

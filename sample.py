@@ -12,7 +12,7 @@ import torch
 
 from lab import checkpoints, cli, drafters, stubs, timing
 from lab.cli import RunError, UsageError
-from lab.devices import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, decoding_dtype, draft_cheaply, pick_device
+from lab.devices import add_dtype_flag, decoding_copy, decoding_dtype, draft_cheaply, dtype_name, pick_device
 from lab.trees import tree_label, trees_of
 from medusa_mini import generate
 from verify import SAMPLING
@@ -83,8 +83,8 @@ def main(argv=None):
     if not os.path.exists(path) and os.path.exists(tiny):  # a student copy comes with the tiny run
         raise RunError(f"{path} not found, but {tiny} is there: add --out {os.path.join(folder, 'tiny')}")
     model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
-    dtype = chosen_dtype(args.dtype, args.device, args.base, quiet=True)  # said after the text
-    model = draft_cheaply(decoding_copy(model, DTYPES[dtype]), args.device)
+    dtype, why = decoding_dtype(args.dtype, args.device, args.base)  # said after the text
+    model = draft_cheaply(decoding_copy(model, dtype), args.device)
     try:
         trees = trees_of(ckpt, dtype)
     except KeyError:
@@ -122,7 +122,7 @@ def main(argv=None):
               ", ".join(f"{COLOURS[k]}depth {k}{RESET}" for k in range(1, 1 + max(printer.depths))))
     print(f"\n{args.drafter}: {new} tokens in {stats.steps} steps ({stats.tokens_per_step:.2f} tokens/step, "
           f"tree: {tree_label(tree)}), {new / seconds:.0f} tokens/s as printed; decoding in "
-          f"{dtype} ({decoding_dtype(args.dtype, args.device, args.base)[1]})")
+          f"{dtype_name(dtype)} ({why})")
     if args.compare:  # both timed without printing, after a warm-up, the same seed for each
         run(), generate(model, idx, min(n, 4), args.temperature)
         torch.manual_seed(args.seed)

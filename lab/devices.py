@@ -63,9 +63,8 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_native_bf16(flags=None) -> bool:
-    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), from the Linux flags."""
-    flags = cpu_flags() if flags is None else flags
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX), from the Linux flags: bf16_units'."""
+    return bf16_units("cpu", flags) is not None
 
 
 def bf16_units(device, flags=None) -> str | None:
@@ -127,11 +126,10 @@ def add_dtype_flag(parser, default="auto"):
                              "prints what it picked, and why")
 
 
-def chosen_dtype(choice: str, device, base_kind: str, quiet=False) -> str:
-    """decoding_dtype's choice, printed with its reason unless quiet: the dtype's name, as a run keeps it."""
+def chosen_dtype(choice: str, device, base_kind: str) -> str:
+    """decoding_dtype's choice, printed with its reason: the dtype's name, as a run keeps it."""
     dtype, why = decoding_dtype(choice, device, base_kind)
-    if not quiet:
-        print(f"decoding in {dtype_name(dtype)} ({why})")
+    print(f"decoding in {dtype_name(dtype)} ({why})")
     return dtype_name(dtype)
 
 
@@ -145,8 +143,7 @@ def decoding_copy(model, dtype):
     (the trained weights, and the checkpoint, stay as they are: the dtype is a decoding setting). The KV
     cache, the tree buffers and the masks follow the base's dtype; softmax and acceptance cast the logits
     to float32 (verify.py)."""
-    weight = model.base.lm_head.weight if hasattr(model, "base") else model.lm_head.weight
-    return model if weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+    return model if model.base.lm_head.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
 
 
 def draft_cheaply(model, device):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lab import drafters, report, timing
-from lab.devices import sync
+from lab.devices import dtype_name, sync
 from lab.train import autocast, training_dtype
 from medusa_mini import GPT, GPTConfig, generate
 
@@ -134,7 +134,7 @@ def print_plan(run, config, device):
     dtype = training_dtype(device)
     step, decode = measure_steps(config, run, device)
     memory, seconds = estimate_memory(config, run, dtype), estimate_seconds(config, run, step, decode)
-    print(f"plan: {device}, training in {str(dtype).removeprefix('torch.')}; one base step measured at {step:.2f}s; "
+    print(f"plan: {device}, training in {dtype_name(dtype)}; one base step measured at {step:.2f}s; "
           f"memory and other times estimated from parameter and activation counts (lab/plan.py)")
     for stage in seconds:
         print(f"  {stage:15s} peak ~{memory[stage] / 2**30:5.2f} GiB   ~{seconds[stage] / 60:5.1f} min")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lab import folder, probes, timing
+from lab.devices import dtype_name
 from lab.timing import Mode
 from lab.trees import SAMPLE_T, Trees, tree_json, tree_label
 from medusa_mini import generate
@@ -161,8 +162,9 @@ def precision_agreement(runs, modes, table, reference, prompts, threads):
     ref = output(REFERENCE)
     margins = []
     for prompt, tokens in zip(prompts, ref):
-        seq = torch.cat([prompt, torch.tensor(tokens, dtype=prompt.dtype, device=prompt.device)])
-        top2 = reference(seq.view(1, -1))[0, prompt.numel() - 1:].float().topk(2, dim=-1).values  # (n + 1, 2)
+        seq = torch.cat([prompt, torch.tensor(tokens, dtype=prompt.dtype, device=prompt.device)])  # (S + n,)
+        logits = reference(seq.view(1, -1))[0, prompt.numel() - 1:]    # (1, S + n) -> (n + 1, V): the n + 1 next tokens
+        top2 = logits.float().topk(2, dim=-1).values                     # (n + 1, 2)
         margins.append((top2[:, 0] - top2[:, 1]).tolist())
     fastest_plain = max(table[name]["tokens_per_s"] for name in ("plain greedy", REFERENCE))
     rows = {}
@@ -180,7 +182,7 @@ def precision_agreement(runs, modes, table, reference, prompts, threads):
     plain = rows["plain greedy"]["mean_agreed"]
     for row in rows.values():
         row["agreed_vs_plain"] = row["mean_agreed"] / plain if plain else float("nan")
-    dtype = str(next(m.model for m in modes.values() if m.drafter).base.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = dtype_name(next(m.model for m in modes.values() if m.drafter).base.lm_head.weight.dtype)
     return {"dtype": dtype, "prompts": len(prompts), "modes": rows, "fastest_plain_tokens_per_s": fastest_plain,
             "fastest_plain": max(("plain greedy", REFERENCE), key=lambda n: table[n]["tokens_per_s"])}
 

@@ -14,6 +14,7 @@ import torch
 
 from feature_drafter import DynamicTree, as_tree
 from lab import timing
+from lab.devices import dtype_name
 from tree import expected_tokens_per_step, grow_tree
 
 SAMPLE_T = 0.7  # the temperature the sampling tree is grown for, as in the report
@@ -73,8 +74,7 @@ def trees_of(ckpt, dtype="float32") -> Trees:
     trees = ckpt.get("trees") or {}
     if not trees:
         raise KeyError("no trees")
-    name = str(dtype).removeprefix("torch.")
-    return Trees.from_json(trees.get(name) or trees.get("float32") or next(iter(trees.values())))
+    return Trees.from_json(trees.get(dtype_name(dtype)) or trees.get("float32") or next(iter(trees.values())))
 
 
 def keep(path, chosen: Trees, dtype="float32"):
@@ -82,7 +82,7 @@ def keep(path, chosen: Trees, dtype="float32"):
     from lab import checkpoints
     ckpt = checkpoints.load(path)
     ckpt.pop("format")
-    ckpt["trees"] = {**(ckpt.get("trees") or {}), str(dtype).removeprefix("torch."): chosen.to_json()}
+    ckpt["trees"] = {**(ckpt.get("trees") or {}), dtype_name(dtype): chosen.to_json()}
     checkpoints.save(path, **ckpt)
 
 
@@ -115,7 +115,7 @@ def choose(kind, model, run, greedy_texts, sampled_texts, prompt, device, max_tr
     order = grow_tree(greedy, max_tree)  # grow_tree adds nodes in order: every prefix is a tree
     costs = timing.step_costs(model, kind.generate, order, prompt, device, threads, sizes, repeats, n_new)
     chosen, best = choose_tree(order, greedy, costs)
-    dtype = str(model.base.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = dtype_name(model.base.lm_head.weight.dtype)
     print(f"{kind.name} tree: {len(chosen)} nodes chosen for {device} in {dtype}, {best} thread{'s' * (best != 1)} "
           f"(expected {expected_tokens_per_step(chosen, greedy):.2f} tokens/step at "
           f"{costs[best]['relative'][len(chosen)]:.2f}x the cost of a plain step); top-1 by depth "
