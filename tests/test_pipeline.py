@@ -11,7 +11,7 @@ import benchmark
 import sample
 import train_heads
 from conftest import PERIOD, random_medusa
-from lab import checkpoints, drafters, gpt_pipeline, plan, report, timing, train, trees
+from lab import checkpoints, drafters, gpt_pipeline, gpu_check, plan, report, timing, train, trees
 from lab.cli import RunError, UsageError
 from lab.config import PRESETS, gpt_run
 from lab.timing import Mode
@@ -254,13 +254,12 @@ def test_generation_estimate_covers_the_kv_cache():
 def test_the_gpu_check_runs_each_check_on_the_device_asked(tmp_path):
     """lab/gpu_check.py: the core exactness tests, the preset's training (float32) and a bf16 report of the
     same run, each on the device asked; the commands are ones their own parsers take (here on the CPU)."""
-    from lab import gpu_check
-    plan_ = dict(gpu_check.steps("cuda", "gpu", str(tmp_path), python="python"))
-    assert list(plan_) == ["tests", "train", "bf16"]
-    assert "--device=cuda" in plan_["tests"] and all(os.path.exists(os.path.join(gpu_check.ROOT, f))
+    commands = dict(gpu_check.steps("cuda", "gpu", str(tmp_path), python="python"))
+    assert list(commands) == ["tests", "train", "bf16"]
+    assert "--device=cuda" in commands["tests"] and all(os.path.exists(os.path.join(gpu_check.ROOT, f))
                                                       for f in gpu_check.CORE_TESTS)
     for step, dtype in (("train", "float32"), ("bf16", "bfloat16")):
-        argv = plan_[step]
+        argv = commands[step]
         assert argv[argv.index("--device") + 1] == "cuda" and argv[argv.index("--dtype") + 1] == dtype
         assert argv[argv.index("--out") + 1] == os.path.join(str(tmp_path), "gpu")  # the bf16 report reads the run
     here = dict(gpu_check.steps("cpu", "tiny", str(tmp_path)))
