@@ -1,10 +1,13 @@
 """The device a run uses and what it is good at: the device from --device, checked before anything
-runs; whether bfloat16 products are native there, and so the dtype a base decodes in (--dtype); waiting
-for a GPU's queued work before a timer reads.
+runs; whether bfloat16 products are native there, and so the dtype a base decodes in (--dtype); the copy
+that decodes in it (its bf16 weights packed once on a CPU); waiting for a GPU's queued work before a timer
+reads.
 """
 import copy
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from lab.cli import UsageError
 
@@ -140,10 +143,59 @@ def dtype_name(dtype) -> str:
 
 def decoding_copy(model, dtype):
     """The model to decode with in `dtype`: itself when it is in that dtype already, else a copy cast to it
-    (the trained weights, and the checkpoint, stay as they are: the dtype is a decoding setting). The KV
-    cache, the tree buffers and the masks follow the base's dtype; softmax and acceptance cast the logits
-    to float32 (verify.py)."""
-    return model if model.base.lm_head.weight.dtype == dtype else copy.deepcopy(model).to(dtype)
+    (the trained weights, and the checkpoint, stay as they are: the dtype is a decoding setting), its
+    linear layers packed where that pays (pack_linears). The KV cache, the tree buffers and the masks follow
+    the base's dtype; softmax and acceptance cast the logits to float32 (verify.py)."""
+    if model.base.lm_head.weight.dtype == dtype:
+        return model
+    return pack_linears(copy.deepcopy(model).to(dtype))
+
+
+class PackedLinear(nn.Module):
+    """A linear layer of a bf16 copy that decodes on a CPU, its weight packed once into the layout oneDNN's
+    bf16 kernels (AMX, AVX512-BF16) read. torch's F.linear in bf16 reorders a plain weight into that layout
+    on every call, which made a one-token bf16 pass of SmolLM2 slower than float32's (docs/results.md,
+    "bf16 where it is native"). The outputs are F.linear's (tests/test_precision.py). The ops are the ones
+    torch.compile's weight freezing uses (torch.ops.mkldnn). The weight and bias are the layer's own
+    parameters: a tied lm_head stays tied, and whatever reads .weight reads the same tensor. Only for a
+    frozen copy: the packing is not redone if the weight changes in place."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = None  # packed at the first call, so that a deepcopy (which cannot copy it) packs anew
+
+    def __getstate__(self):
+        return {**self.__dict__, "packed": None}
+
+    def forward(self, x):
+        if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":  # cast or moved since
+            return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self):
+        return f"in_features={self.weight.size(1)}, out_features={self.weight.size(0)}, packed for bf16"
+
+
+def packs_bf16(weight) -> bool:
+    """Whether pack_linears packs a layer of this weight: bf16 on a CPU with bf16 instructions, in a torch
+    built with oneDNN."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_has_native_bf16()
+            and torch.backends.mkldnn.is_available())
+
+
+def pack_linears(model):
+    """model with each nn.Linear replaced by a PackedLinear of the same parameters, where packs_bf16 says it
+    pays; elsewhere (float32, a GPU, a CPU without bf16 instructions) the model as it is."""
+    if not packs_bf16(next(model.parameters())):
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+    return model
 
 
 def draft_cheaply(model, device):

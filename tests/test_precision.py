@@ -5,6 +5,8 @@ engine can promise that: a tree pass and a one-token pass round differently. The
 speculation adds no error beyond what bf16 already makes: a tree's logits equal per-path logits within a
 few of bf16's spacings, and greedy speculation follows plain bf16 greedy until a near-tie.
 """
+import copy
+
 import pytest
 import torch
 
@@ -55,12 +57,55 @@ def test_a_decoding_copy_leaves_the_trained_model_as_it_is():
     assert model.base.lm_head.weight.dtype == torch.float32 and devices.decoding_copy(model, torch.float32) is model
 
 
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
+def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter):
+    """decoding_copy packs a bf16 copy's linear layers on a CPU with bf16 instructions (PackedLinear): the
+    layout changes, not the arithmetic. The base's logits over a tree (mask, cache) and each drafter's
+    greedy text equal those of the same copy left unpacked (measured: equal bit for bit)."""
+    from eagle import eagle_generate
+    from mtp import mtp_generate
+    trained = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
+    packed, plain = devices.decoding_copy(trained, BF16), copy.deepcopy(trained).to(BF16)
+    if devices.packs_bf16(packed.base.lm_head.weight):
+        assert any(isinstance(m, devices.PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, devices.PackedLinear) for m in plain.modules())
+    b = build_tree_buffers([(0,), (1,), (0, 0)], "cpu")
+
+    def tree_logits(base):  # a 4-node tree over 3 cached tokens: (N, V)
+        cache = KVCache(base.config, extra=len(b.node_paths), dtype=BF16)
+        base(torch.tensor([[1, 2, 3]]), cache=cache)
+        return base(torch.tensor([[1, 2, 3, 0]]), b.position_ids + 3, b.attn_mask, cache)[0].float()
+    expected = tree_logits(plain.base)
+    assert (tree_logits(packed.base) - expected).abs().max() <= spacing(expected.abs().max())
+    decode = {"medusa": medusa_generate, "eagle": eagle_generate, "mtp": mtp_generate}[drafter]
+    tree = TREE_2 if drafter == "medusa" else [(0,), (1,), (0, 0)]
+    assert torch.equal(decode(packed, torch.tensor([[1, 2]]), 5, tree)[0], decode(plain, torch.tensor([[1, 2]]), 5, tree)[0])
+
+
+def test_packing_happens_only_where_bf16_is_native(monkeypatch):
+    """float32 copies, and bf16 copies on a CPU without bf16 instructions (the feature probe stubbed), keep
+    nn.Linear; a packed layer cast back to float32 (a drafter drafting in another dtype) computes F.linear."""
+    model = random_medusa()
+    assert devices.decoding_copy(model, torch.float32) is model
+    monkeypatch.setattr(devices, "cpu_flags", lambda: set())
+    assert not any(isinstance(m, devices.PackedLinear) for m in devices.decoding_copy(model, BF16).modules())
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512_bf16"})
+    low = devices.decoding_copy(model, BF16)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    layer = low.base.lm_head
+    assert isinstance(layer, devices.PackedLinear) and layer.weight is low.base.wte.weight  # still tied
+    x = torch.randn(3, layer.weight.size(1))
+    back = copy.deepcopy(layer).float()
+    assert torch.equal(back(x), torch.nn.functional.linear(x, back.weight))
+
+
 @pytest.mark.parametrize("prefix", [0, 5])
 def test_bf16_tree_logits_equal_per_path_logits_within_its_spacing(prefix):
     """In bf16, the logits at every tree node equal a plain causal forward of its own path within SPACINGS
     of bf16's spacing at the largest logit (in float32 they are equal to 1e-5: tests/test_model.py)."""
     torch.manual_seed(prefix)
-    model = random_medusa().base.to(BF16)
+    model = devices.decoding_copy(random_medusa(), BF16).base  # as decoding runs it: packed where bf16 is native
     choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
     b = build_tree_buffers(choices, "cpu")
     tokens = torch.randint(0, 32, (len(b.node_paths),))
@@ -83,7 +128,7 @@ def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
     equals plain bf16 greedy up to its first difference, and there plain's top-2 margin is below the
     tolerance above (a near-tie that rounding may flip); identical to the end on most prompts (measured:
     10 of 10 on this model)."""
-    model = random_medusa(seed=3, block_size=80).to(BF16)
+    model = devices.decoding_copy(random_medusa(seed=3, block_size=80), BF16)
     tree = [(0,), (1,), (0, 0), (0, 0, 0)]
     identical = 0
     for seed in range(10):
