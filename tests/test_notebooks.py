@@ -184,6 +184,17 @@ def test_notebook_ends_with_exercises_that_assert(notebook):
     assert not re.search(r"print\([^\n]*\banswer_\d+\b", code), "an exercise prints its answer"
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
+def test_exercise_check_cells_hide_their_source(notebook):
+    """An exercise's check cell (the code cell that calls course.predicted) works the answer out: its source
+    is hidden (cell metadata jupyter.source_hidden), so a reader sees the question and the verdict, not the
+    method, before predicting."""
+    checks = [(i, c) for i, c in enumerate(cells(notebook, "code")) if "course.predicted(" in "".join(c["source"])]
+    assert checks, f"{os.path.basename(notebook)} has no exercise check cell"
+    shown = [i for i, c in checks if not c.get("metadata", {}).get("jupyter", {}).get("source_hidden")]
+    assert not shown, f"{os.path.basename(notebook)}: code cells {shown} check an exercise with their source shown"
+
+
 def test_course_needs_reads_the_stubs_of_the_copy(monkeypatch, capsys):
     """course.needs(N): True where no function carries assignment N's stub marker; otherwise False, with one
     line naming its functions."""
