@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        h = x.float()  # in float32 whatever x's dtype, as Llama's reference code does: bf16 squares lose bits
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 def rope_angles(position_ids, head_dim: int, base: float):
@@ -62,7 +63,8 @@ def apply_rope(x, cos, sin):
 
     GGUF stores q and k already permuted for this pairing (llama.cpp's "normal" RoPE); the
     rotate-half pairing (x[i], x[i + hs/2]) of Hugging Face checkpoints would be wrong here."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)                    # (B, nh, T, hs) -> 2 x (B, nh, T, hs/2)
+    # In float32 whatever x's dtype (cos and sin are float32): one cast in and one out, not one per product.
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)            # (B, nh, T, hs) -> 2 x (B, nh, T, hs/2)
     rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, nh, T, hs/2, 2)
     return rotated.flatten(-2).type_as(x)                           # (B, nh, T, hs/2, 2) -> (B, nh, T, hs)
 
