@@ -38,7 +38,7 @@ from verify import KVCache
 ANSWER_TOKENS = 96   # tokens generated per distillation prompt (answers end sooner at <|im_end|>: 70 on average)
 BLOCK_SIZE = SMOLLM2_BASE["block_size"]  # the KV cache's length
 BATCH = 8            # answers per training step
-COST_SIZES, COST_REPEATS, COST_TOKENS = (2, 4, 6, 8, 12, 16), 2, 32  # the step costs trees are sized from
+COST_SIZES, COST_REPEATS, COST_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32), 2, 32  # the step costs trees are sized from
 
 
 # ---------------------------------------------------------------------------------------- 2. distill
