@@ -88,7 +88,7 @@ def main(argv=None):
         except KeyError:
             raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
         reference = reference or (None if dtype == "float32" else model.base)  # the float32 model, beside
-        drafted.append(report.Drafted(drafters.get(name), draft_cheaply(decoding_copy(model, DTYPES[dtype]), a.device),
+        drafted.append(report.Drafted(drafters.get(name), draft_cheaply(decoding_copy(model, DTYPES[dtype]), a.device, "gpt"),
                                       chosen, {"seconds": ckpt.get("metrics", {}).get("seconds"),
                                                "parameters": report.parameters(model)}))
     path = os.path.join(a.out, f"{present[0]}.pt")

@@ -84,7 +84,7 @@ def main(argv=None):
         raise RunError(f"{path} not found, but {tiny} is there: add --out {os.path.join(folder, 'tiny')}")
     model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
     dtype, why = decoding_dtype(args.dtype, args.device, args.base)  # said after the text
-    model = draft_cheaply(decoding_copy(model, dtype), args.device)
+    model = draft_cheaply(decoding_copy(model, dtype), args.device, args.base)
     try:
         trees = trees_of(ckpt, dtype)
     except KeyError:

@@ -198,12 +198,16 @@ def pack_linears(model):
     return model
 
 
-def draft_cheaply(model, device):
-    """Let decoding draft in bfloat16 on a CPU with bf16 instructions (model.draft_dtype): the drafter's
-    weights are then half the bytes to read each step, which is what they cost there (verify.Drafter:
-    drafts are only proposals). A GPU at batch 1 waits on launches, not bytes: there the cast would be
-    one launch more."""
-    model.draft_dtype = torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_native_bf16() else None
+def draft_cheaply(model, device, base_kind: str):
+    """Let decoding draft in bfloat16 (model.draft_dtype) on a CPU where --dtype auto would decode this base in
+    bfloat16 (auto_dtype): drafts are only proposals (verify.Drafter), and a drafter's weights in bf16 are half
+    the bytes to read each step, which is what SmolLM2's heads cost there. The drafting rule is the decoding
+    rule: the tiny GPT drafts in float32, because its one-row products run slower in bf16 on a CPU with AMX
+    (docs/results.md, "bf16 on the AMX VM"). A GPU at batch 1 waits on launches, not bytes: there the cast
+    would be one launch more."""
+    device = torch.device(device)
+    bf16 = device.type == "cpu" and auto_dtype("cpu", bf16_units(device), base_kind)[0] == torch.bfloat16
+    model.draft_dtype = torch.bfloat16 if bf16 else None
     return model
 
 

@@ -214,7 +214,7 @@ def _run(run):
     for name in run.drafters:
         kind = drafters.get(name)
         trained, metrics = train_drafter(kind, run, base, h, y, vocab, device)
-        model = draft_cheaply(decoding_copy(trained, dtype), device)  # decoding in run.dtype
+        model = draft_cheaply(decoding_copy(trained, dtype), device, "smollm2")  # decoding in run.dtype
         model.draft_vocab = vocab.to(device)
         chosen = trees.choose(kind, model, run, texts(*held), texts(*held_sampled), prompts[0], device, 64, 10,
                               vocab.to(device), sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS,

@@ -41,6 +41,17 @@ def test_auto_picks_from_the_cpus_features(monkeypatch, flags, base, expected):
     assert devices.decoding_dtype("bfloat16", "cpu", base) == (BF16, "--dtype bfloat16")  # asked: no probe
 
 
+@pytest.mark.parametrize("flags, base, expected", [({"amx_bf16"}, "smollm2", BF16), ({"avx512_bf16"}, "smollm2", BF16),
+                                                   (set(), "smollm2", None), ({"amx_bf16"}, "gpt", None)])
+def test_drafting_follows_the_decoding_rule(monkeypatch, flags, base, expected):
+    """draft_cheaply: a drafter drafts in bf16 on a CPU where --dtype auto would decode its base in bf16 (SmolLM2
+    with bf16 instructions), in the model's own dtype elsewhere (the tiny GPT; a CPU without them; a GPU)."""
+    monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
+    assert devices.draft_cheaply(random_medusa(), "cpu", base).draft_dtype == expected
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert devices.draft_cheaply(random_medusa(), torch.device("meta"), base).draft_dtype is None
+
+
 @pytest.mark.parametrize("bf16, expected", [(True, BF16), (False, torch.float32)])
 def test_auto_on_a_gpu_stand_in(monkeypatch, bf16, expected):
     """A CUDA stand-in: SmolLM2 decodes in bf16 on bf16 tensor cores, in float32 on a GPU without them (a T4);
