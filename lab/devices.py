@@ -155,24 +155,25 @@ class PackedLinear(nn.Module):
     """A linear layer of a bf16 copy that decodes on a CPU, its weight packed once into the layout oneDNN's
     bf16 kernels (AMX, AVX512-BF16) read. torch's F.linear in bf16 reorders a plain weight into that layout
     on every call, which made a one-token bf16 pass of SmolLM2 slower than float32's (docs/results.md,
-    "bf16 where it is native"). The outputs are F.linear's (tests/test_precision.py). The ops are the ones
+    "bf16 on the AMX VM"). The outputs are F.linear's (tests/test_precision.py). The ops are the ones
     torch.compile's weight freezing uses (torch.ops.mkldnn). The weight and bias are the layer's own
     parameters: a tied lm_head stays tied, and whatever reads .weight reads the same tensor. Only for a
-    frozen copy: the packing is not redone if the weight changes in place."""
+    frozen copy: a new weight tensor (a cast, a load) is packed anew, a change in place is not seen."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = None  # packed at the first call, so that a deepcopy (which cannot copy it) packs anew
+        self.packed, self.packed_from = None, None  # packed at the first call (a deepcopy cannot copy it: packs anew)
 
     def __getstate__(self):
-        return {**self.__dict__, "packed": None}
+        return {**self.__dict__, "packed": None, "packed_from": None}
 
     def forward(self, x):
         if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":  # cast or moved since
             return F.linear(x, self.weight, self.bias)
-        if self.packed is None:
+        if self.packed_from != self.weight.data_ptr():  # first call, or a new weight since
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self.packed_from = self.weight.data_ptr()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self):

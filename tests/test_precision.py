@@ -95,20 +95,26 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
 
 def test_packing_happens_only_where_bf16_is_native(monkeypatch):
     """float32 copies, and bf16 copies on a CPU without bf16 instructions (the feature probe stubbed), keep
-    nn.Linear; a packed layer cast back to float32 (a drafter drafting in another dtype) computes F.linear."""
+    nn.Linear; a packed layer cast back to float32 (a drafter drafting in another dtype) computes F.linear, and
+    one given a new weight packs that one."""
     model = random_medusa()
+    native = devices.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
     assert devices.decoding_copy(model, torch.float32) is model
     monkeypatch.setattr(devices, "cpu_flags", lambda: set())
     assert not any(isinstance(m, devices.PackedLinear) for m in devices.decoding_copy(model, BF16).modules())
-    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx512_bf16"})
+    if not native:
+        pytest.skip("packing needs a CPU with bf16 instructions and a torch built with oneDNN")
+    monkeypatch.undo()
     low = devices.decoding_copy(model, BF16)
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN")
     layer = low.base.lm_head
     assert isinstance(layer, devices.PackedLinear) and layer.weight is low.base.wte.weight  # still tied
     x = torch.randn(3, layer.weight.size(1))
     back = copy.deepcopy(layer).float()
     assert torch.equal(back(x), torch.nn.functional.linear(x, back.weight))
+    again = copy.deepcopy(layer)
+    again(x.to(BF16))                                            # packed
+    again.weight.data = again.weight.data * 2                    # a new weight tensor: packed anew, not stale
+    assert torch.equal(again(x.to(BF16)), torch.nn.functional.linear(x.to(BF16), again.weight))
 
 
 @pytest.mark.parametrize("prefix", [0, 5])
