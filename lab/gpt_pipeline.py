@@ -453,7 +453,7 @@ def _run(run):
         trained[kind.name], training[kind.name] = stage_drafter(kind, run, base, base_model, text, train_ids, common,
                                                                 base_metrics)
     eval_prompts = random_prompts(val_ids, run.eval_prompts, EVAL_PROMPT, run.seed + 4, device)
-    for kind in kinds:  # decoding in run.dtype, drafting as draft_cheaply says for the tiny GPT (float32)
+    for kind in kinds:  # decoding in run.dtype; drafting in the dtype draft_cheaply picks (the tiny GPT: float32)
         model = draft_cheaply(decoding_copy(trained[kind.name], dtype), device, "gpt")
         chosen = choose_trees(kind, model, run, val_ids, eval_prompts)
         trees.keep(os.path.join(run.out, f"{kind.name}.pt"), chosen, run.dtype)

@@ -173,7 +173,7 @@ def test_every_notebook_prints_the_same_chosen_tree():
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_ends_with_exercises_that_assert(notebook):
+def test_notebook_has_exercises_that_assert(notebook):
     """Two or three predict-then-run exercises: a prediction that starts as None, and a check that asserts it
     against the answer once it is filled in (course.predicted), never printing the answer."""
     code = code_of(notebook)
