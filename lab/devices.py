@@ -170,11 +170,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x):
         if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu":  # cast or moved since
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)                                   # (..., in) -> (..., out)
         if self.packed_from != self.weight.data_ptr():  # first call, or a new weight since
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self.packed_from = self.weight.data_ptr()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # (..., in) -> (..., out)
 
     def extra_repr(self):
         return f"in_features={self.weight.size(1)}, out_features={self.weight.size(0)}, packed for bf16"
