@@ -44,7 +44,7 @@ from lab import cli
 if __name__ == "__main__":
     cli.use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
 
-from lab import ablations, stubs  # noqa: E402
+from lab import ablations  # noqa: E402
 from lab.cli import UsageError  # noqa: E402
 from lab.devices import add_dtype_flag, chosen_dtype, pick_device  # noqa: E402
 
@@ -73,7 +73,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    stubs.require_written("ablation.py", {"eagle", "feature_drafter", "mtp"})
     if a.mtp:
         return ablations.mtp_base(a.out, a.mtp, a.device, a.threads)
     if a.eagle_budget:

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from lab import checkpoints, cli, drafters, folder, gpt_pipeline, probes, report, stubs, timing
+from lab import checkpoints, cli, drafters, folder, gpt_pipeline, probes, report, timing
 from lab.cli import RunError, UsageError
 from lab.devices import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, draft_cheaply, pick_device
 from lab.trees import tree_label, trees_of
@@ -74,7 +74,6 @@ def main(argv=None):
     if not present:
         raise RunError(f"no drafter in {a.out}/ ({', '.join(f'{n}.pt' for n in drafters.names())}): "
                        f"run train_heads.py first")
-    stubs.require_written("benchmark.py", {m for n in present for m in drafters.drafter_modules(drafters.get(n))})
     folder.check_writable(a.out)  # before minutes of measuring
     if a.threads:
         torch.set_num_threads(a.threads)

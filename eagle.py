@@ -10,7 +10,8 @@ token are fed back for the next. So each subtree is drafted for its own parent.
 
 This file is the layer and its loss. Drafting a tree with it, depth by depth on the layer's own KV
 cache, is feature_drafter.FeatureDrafter (the layer is used at every depth), with a fixed tree or
-EAGLE-2's dynamic one; verification is the shared verifier's (verify.py). docs/medusa.md, section 7.
+EAGLE-2's dynamic one, and feature_drafter.feature_generate decodes with it; verification is the shared
+verifier's (verify.py). docs/medusa.md, section 7.
 
 Shapes: B batch, T positions, C width, V vocabulary.
 """
@@ -18,8 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from feature_drafter import FeatureDrafter
-from verify import KVCache, check_request, speculative_generate
+from kv_cache import KVCache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,14 +100,3 @@ def eagle_loss(layer, base, f, tokens, positions, mask=None, vocab=None, noise=N
     token_loss = -(p_base * logp).sum(-1).mean()
     agree = (logp.argmax(-1) == p_base.argmax(-1)).float().mean()
     return weights[0] * feature_loss + weights[1] * token_loss, feature_loss, token_loss, agree
-
-
-@torch.no_grad()
-def eagle_generate(model, idx, max_new_tokens: int, tree, temperature: float = 0.0, sampling: str = "typical",
-                   posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, stop_tokens=None, stream=None):
-    """EAGLE decoding: (1, S) -> ((1, S + n), DecodeStats), as medusa_mini.medusa_generate, with the tree
-    drafted by the EAGLE layer: a fixed tree (rank paths) or EAGLE-2's DynamicTree."""
-    check_request(model.base, idx, max_new_tokens, temperature, sampling)
-    drafter = FeatureDrafter(model, tree, idx.device)
-    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
-                                posterior_threshold, posterior_alpha, stop_tokens, stream)

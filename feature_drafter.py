@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tree import build_tree_buffers, tree_cuts
-from verify import Draft, Drafter, KVCache
+from kv_cache import KVCache
+from verify import Draft, Drafter, speculative_generate
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +279,17 @@ class FeatureDrafter(Drafter):
         return Draft(tree_tokens, candidates, buffers)
 
 
+@torch.no_grad()
+def feature_generate(model, idx, max_new_tokens: int, tree, temperature: float = 0.0, sampling: str = "typical",
+                     posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, stop_tokens=None, stream=None):
+    """Decoding with a feature drafter (EAGLE's layer, MTP's modules): (1, S) -> ((1, S + n), DecodeStats), as
+    medusa_mini.medusa_generate, the tree (rank paths, or a DynamicTree) drafted depth by depth by
+    model.layers and verified by verify.speculative_generate."""
+    drafter = FeatureDrafter(model, tree, idx.device)
+    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
+                                posterior_threshold, posterior_alpha, stop_tokens, stream)
+
+
 # ----------------------------------------------------------------------------------------------
 # How often drafts are right, depth by depth: what a tree is grown from
 
@@ -342,3 +354,11 @@ def chain_outputs(model, seq, depth, features=None):
         else:      # the last layer again, each entry on its own chain: its true entries up to i, then its own
             mask = torch.cat([mask, eye], 1)                                        # (n, n * (d - D + 2))
             out = layers[-1](base, out, tokens, positions + d + 1 - D, mask, caches[-1])
+
+
+@torch.no_grad()
+def chain_proposals(model, seq, h, t, depth, ranks):
+    """The layers' top tokens at each depth along each draw's own path (the entries at position t - 1)."""
+    w = model.base.lm_head.weight
+    outs = [layer.norm_out(out[:, t - 1]) for layer, out in chain_outputs(model, seq, depth, h)]  # D x (draws, C)
+    return F.linear(torch.stack(outs, 1), w).topk(ranks, -1).indices                            # (draws, D, ranks)

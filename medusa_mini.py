@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tree import generate_candidates, tree_cuts
-from verify import Draft, Drafter, KVCache, cache_mask, check_request, sample_token, speculative_generate
+from kv_cache import KVCache, cache_mask
+from verify import Draft, Drafter, check_request, sample_token, speculative_generate
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,6 +252,36 @@ def medusa_loss(head_logits, targets, decay: float = 0.8):
 
 
 # ----------------------------------------------------------------------------------------------
+# How often the heads guess right: what a Medusa tree is grown from (docs/medusa.md section 4)
+
+@torch.no_grad()
+def head_hits(model, seq, start, depth, ranks, features=None, vocab=None):
+    """docs/medusa.md section 4: how often head k's rank-r guess at position t is the text's token t+k+1,
+    for t from `start` (the prompt's last position). Each head alone: Medusa's heads guess independently.
+    seq (B, T): text the base wrote; features (B, T, C): its hidden states, when at hand. Returns, per
+    head, (hits at each rank (ranks,), positions counted)."""
+    if vocab is not None and not model.share_lm_head:
+        raise ValueError("accuracies over part of the vocabulary need heads that share the base's lm_head")
+    h = model.base.hidden(seq) if features is None else features.to(model.base.lm_head.weight.dtype)  # (B, T, C)
+    proj = model.base.lm_head if vocab is None else (lambda r, rows=model.base.lm_head.weight[vocab]: F.linear(r, rows))
+    found = []
+    for k, head in enumerate(model.heads[:depth], start=1):
+        positions = torch.arange(start, seq.size(1) - k - 1, device=seq.device)   # t with a token t+k+1
+        guesses = head(h[:, positions], proj).topk(ranks, -1).indices              # (B, n, ranks)
+        guesses = guesses if vocab is None else vocab[guesses]
+        hits = guesses == seq[:, positions + k + 1, None]                          # (B, n, ranks)
+        found.append((hits.flatten(0, 1).float().sum(0).cpu(), hits.size(0) * hits.size(1)))
+    return found
+
+
+@torch.no_grad()
+def head_proposals(model, seq, h, t, depth, ranks):
+    """Head k's top guesses at position t - 1, made before the root is drawn: the same on every path."""
+    guesses = model.head_logits(h[0, t - 1], depth).topk(ranks, -1).indices           # (D, ranks)
+    return guesses.expand(seq.size(0), -1, -1)                                     # (draws, D, ranks)
+
+
+# ----------------------------------------------------------------------------------------------
 # Plain decoding: the reference every drafter is checked against
 
 @torch.no_grad()
@@ -334,7 +365,6 @@ def medusa_generate(model: MedusaModel, idx, max_new_tokens: int, choices, tempe
     "typical" (the paper's typical acceptance with a sampled root: fast, varied, but not the model's
     distribution), "typical-fast" (the same with the argmax root: deterministic) or "exact" (the
     lossless tree walk: the same distribution as generate() at that temperature)."""
-    check_request(model.base, idx, max_new_tokens, temperature, sampling)  # before the tree is built
     drafter = MedusaDrafter(model, choices, idx.device)
     return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
                                 posterior_threshold, posterior_alpha, stop_tokens, stream)

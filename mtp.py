@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from feature_drafter import FeatureDrafter
-from verify import KVCache, check_request, speculative_generate
+from kv_cache import KVCache
 
 
 class MTPModule(nn.Module):
@@ -92,15 +91,3 @@ def mtp_weight(step: int, steps: int, weight: float | None = None) -> float:
     if weight is not None:
         return weight
     return 0.3 if step < 2 * steps / 3 else 0.1
-
-
-@torch.no_grad()
-def mtp_generate(model: MTPModel, idx, max_new_tokens: int, tree, temperature: float = 0.0, sampling: str = "typical",
-                 posterior_threshold: float = 0.09, posterior_alpha: float = 0.3, stop_tokens=None, stream=None):
-    """Decoding with the MTP modules as the drafter: (1, S) -> ((1, S + n), DecodeStats), as
-    medusa_mini.medusa_generate; the tree (rank paths, or a feature_drafter.DynamicTree) drafted depth by
-    depth, module k at depth k and the last module below that."""
-    check_request(model.base, idx, max_new_tokens, temperature, sampling)
-    drafter = FeatureDrafter(model, tree, idx.device)
-    return speculative_generate(model.base, drafter, idx, max_new_tokens, temperature, sampling,
-                                posterior_threshold, posterior_alpha, stop_tokens, stream)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from lab import checkpoints, cli, drafters, stubs, timing
+from lab import checkpoints, cli, drafters, timing
 from lab.cli import RunError, UsageError
 from lab.devices import add_dtype_flag, decoding_copy, decoding_dtype, draft_cheaply, dtype_name, pick_device
 from lab.trees import tree_label, trees_of
@@ -20,7 +20,6 @@ from verify import SAMPLING
 # Depth 0 (the base model's own token) plain; depth k in its own colour.
 COLOURS = ["", "\033[32m", "\033[34m", "\033[35m", "\033[33m", "\033[36m", "\033[31m"]
 RESET = "\033[0m"
-GROWING = ("tree.py:path_probability", "tree.py:expected_tokens_per_step", "tree.py:grow_tree")  # decoding grows no tree
 
 
 class Printer:
@@ -75,13 +74,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     kind = drafters.get(args.drafter)
-    stubs.require_written("sample.py", drafters.drafter_modules(kind) | ({"smollm"} if args.base == "smollm2" else set()),
-                          unused=GROWING)
     folder = os.path.join(args.out, "smollm2") if args.base == "smollm2" else args.out
     path = os.path.join(folder, f"{args.drafter}.pt")
-    tiny = os.path.join(folder, "tiny", f"{args.drafter}.pt")
-    if not os.path.exists(path) and os.path.exists(tiny):  # a student copy comes with the tiny run
-        raise RunError(f"{path} not found, but {tiny} is there: add --out {os.path.join(folder, 'tiny')}")
     model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
     dtype, why = decoding_dtype(args.dtype, args.device, args.base)  # said after the text
     model = draft_cheaply(decoding_copy(model, dtype), args.device, args.base)

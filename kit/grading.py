@@ -26,7 +26,7 @@ ROOT = os.path.dirname(KIT)  # the project: the kit is one folder down
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from lab import stubs  # noqa: E402  (the kit uses the lab; the lab never uses the kit)
+import stubs  # noqa: E402  (the kit reads a copy's stubs itself; the lab never uses the kit)
 from lab.cli import UsageError  # noqa: E402  (a mistake of the person running a command: one line, exit 2)
 
 MAPPING = "kit/assignments.toml"

@@ -79,7 +79,7 @@ def threads(value):
 
 def finish(main, argv=None) -> int:
     """Run a command's main and turn the user's mistakes into one line and an exit status: 2 for a
-    UsageError, 1 for a RunError or an assignment still to write (a stub in a student copy), 130 for
+    UsageError, 1 for a RunError, 130 for
     Ctrl-C or SIGTERM, 0 when the output pipe closed early (`| head`). Anything else is raised."""
     try:
         main(argv)
@@ -88,11 +88,6 @@ def finish(main, argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except NotImplementedError as e:
-        if not str(e).startswith("assignment "):
-            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -8,13 +8,11 @@ register() an entry for it (tests/test_registry.py registers a toy one from the 
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
 
 import eagle
 import medusa_mini
 import mtp
-from feature_drafter import DynamicTree, FeatureDrafter, chain_hits, chain_outputs
+from feature_drafter import DynamicTree, FeatureDrafter, chain_hits, chain_proposals, feature_generate
 from lab import export, stages
 from tree import dense_tree
 
@@ -59,43 +57,11 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
-def drafter_modules(kind: DrafterKind) -> set[str]:
-    """The core modules a drafter's code lives in (what a command checks for stubs before it runs)."""
-    return {kind.model.__module__, kind.drafter.__module__, kind.generate.__module__}
-
-
 # ---------------------------------------------------------------------------------------- Medusa
-
-@torch.no_grad()
-def medusa_hits(model, seq, start, depth, ranks, features=None, vocab=None):
-    """docs/medusa.md section 4: how often head k's rank-r guess at position t is the text's token t+k+1,
-    for t from `start` (the prompt's last position). Each head alone: Medusa's heads guess independently.
-    seq (B, T): text the base wrote; features (B, T, C): its hidden states, when at hand. Returns, per
-    head, (hits at each rank (ranks,), positions counted)."""
-    if vocab is not None and not model.share_lm_head:
-        raise ValueError("accuracies over part of the vocabulary need heads that share the base's lm_head")
-    h = model.base.hidden(seq) if features is None else features.to(model.base.lm_head.weight.dtype)  # (B, T, C)
-    proj = model.base.lm_head if vocab is None else (lambda r, rows=model.base.lm_head.weight[vocab]: F.linear(r, rows))
-    found = []
-    for k, head in enumerate(model.heads[:depth], start=1):
-        positions = torch.arange(start, seq.size(1) - k - 1, device=seq.device)   # t with a token t+k+1
-        guesses = head(h[:, positions], proj).topk(ranks, -1).indices              # (B, n, ranks)
-        guesses = guesses if vocab is None else vocab[guesses]
-        hits = guesses == seq[:, positions + k + 1, None]                          # (B, n, ranks)
-        found.append((hits.flatten(0, 1).float().sum(0).cpu(), hits.size(0) * hits.size(1)))
-    return found
-
 
 def medusa_extra_trees(model, order, chosen, run):
     return {"grown tree": order[:64], "dense " + "x".join(map(str, DENSE_WIDTHS)):
             dense_tree(DENSE_WIDTHS[:len(model.heads)])}
-
-
-@torch.no_grad()
-def medusa_proposals(model, seq, h, t, depth, ranks):
-    """Head k's top guesses at position t - 1, made before the root is drawn: the same on every path."""
-    guesses = model.head_logits(h[0, t - 1], depth).topk(ranks, -1).indices           # (D, ranks)
-    return guesses.expand(seq.size(0), -1, -1)                                     # (draws, D, ranks)
 
 
 def train_medusa(model, batches, run, save, resume_from=None, vocab=None):
@@ -107,8 +73,8 @@ register(DrafterKind(
     generate=medusa_mini.medusa_generate,
     settings=("distill", "num_heads", "head_steps", "head_lr", "share_lm_head", "joint", "joint_steps"),
     config=lambda run: {"num_heads": run.num_heads, "share_lm_head": run.share_lm_head},
-    hits=medusa_hits, depth=lambda model, run: len(model.heads), extra_trees=medusa_extra_trees,
-    proposals=medusa_proposals, conditional=False, train=train_medusa, steps=lambda run: run.head_steps,
+    hits=medusa_mini.head_hits, depth=lambda model, run: len(model.heads), extra_trees=medusa_extra_trees,
+    proposals=medusa_mini.head_proposals, conditional=False, train=train_medusa, steps=lambda run: run.head_steps,
     distilled=lambda run: getattr(run, "distill", True), exports=export.MEDUSA_TARGETS))
 
 
@@ -120,28 +86,20 @@ def dynamic_tree(model, order, chosen, run):
                                         depth=min(run.eagle_depth, len(chosen)))}
 
 
-@torch.no_grad()
-def chain_proposals(model, seq, h, t, depth, ranks):
-    """The layers' top tokens at each depth along each draw's own path (the entries at position t - 1)."""
-    w = model.base.lm_head.weight
-    outs = [layer.norm_out(out[:, t - 1]) for layer, out in chain_outputs(model, seq, depth, h)]  # D x (draws, C)
-    return F.linear(torch.stack(outs, 1), w).topk(ranks, -1).indices                            # (draws, D, ranks)
-
-
 def train_eagle(model, batches, run, save, resume_from=None, vocab=None):
     return stages.train_eagle(model, batches, run.eagle_steps, run.eagle_lr, save, run.seed, resume_from, vocab,
                               getattr(run, "eagle_loss", "eagle1"))
 
 
 register(DrafterKind(
-    name="eagle", model=eagle.EagleModel, drafter=FeatureDrafter, generate=eagle.eagle_generate,
+    name="eagle", model=eagle.EagleModel, drafter=FeatureDrafter, generate=feature_generate,
     settings=("eagle_steps", "eagle_lr", "eagle_loss"), config=lambda run: {},
     hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
     proposals=chain_proposals, conditional=True, train=train_eagle, steps=lambda run: run.eagle_steps,
     exports=export.EAGLE_TARGETS))
 
 register(DrafterKind(
-    name="mtp", model=mtp.MTPModel, drafter=FeatureDrafter, generate=mtp.mtp_generate,
+    name="mtp", model=mtp.MTPModel, drafter=FeatureDrafter, generate=feature_generate,
     settings=(), config=lambda run: {"depth": run.mtp_modules},
     hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
     proposals=chain_proposals, conditional=True, train=None, distilled=lambda run: False))

@@ -509,7 +509,7 @@ def run_finished(path):
 def tiny_run(out=None, device="cpu"):
     """The folder of the tiny preset's run with Medusa and EAGLE (out/tiny/, beside the project, by
     default): trained once (a minute or two on a CPU), kept, and reused by the notebooks in fast mode
-    and by student copies (kit/make_assignment.py). Files of an earlier layout there are trained again."""
+    Files of an earlier layout there are trained again."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(out or os.path.join(root, "out"), "tiny")
     with folder.waiting_lock(os.path.join(os.path.dirname(out), ".tiny.lock")):  # two notebooks at once: one trains

@@ -4,14 +4,13 @@
     import medusa_mini, tree, verify
     model, enc, ckpt, args, train_ids, val_ids = course.load()
 
-and the few things the notebooks do alike: the chosen tree printed in one format (chosen_tree), cells
-that wait for an assignment in a student copy (needs), and the exercises' check (predicted).
+and the few things the notebooks do alike: the chosen tree printed in one format (chosen_tree) and the
+exercises' check (predicted).
 Nothing here is Medusa: the model, the tree and decoding are imported from the repository's files.
 """
 import os
 import platform
 import sys
-import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder above notebooks/
 if ROOT not in sys.path:
@@ -22,7 +21,7 @@ import numpy as np  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from lab import checkpoints, gpt_pipeline, stubs  # noqa: E402
+from lab import gpt_pipeline  # noqa: E402
 from lab.devices import pick_device  # noqa: E402
 from lab.trees import trees_of  # noqa: E402
 
@@ -37,8 +36,7 @@ def load():
 
     The model is the one `python train_heads.py` wrote to out/medusa.pt; in fast mode, or before that
     run has finished, the tiny preset, trained once (a minute or two on a CPU) and kept in out/tiny/.
-    The held-out ids are the plays train_heads.py evaluated on, read back from its token cache.
-    In a student copy, see _trained."""
+    The held-out ids are the plays train_heads.py evaluated on, read back from its token cache."""
     print(f"python {platform.python_version()}, torch {torch.__version__}, matplotlib {matplotlib.__version__}")
     print(f"device: {device}, {torch.get_num_threads()} CPU thread; fast mode: {FAST}")
     model, enc, path, ckpt = _trained("medusa")
@@ -58,47 +56,8 @@ def load_drafter(name):
 
 
 def _trained(drafter):
-    """gpt_pipeline.trained_model's (model, tokenizer, checkpoint path, checkpoint). In a student copy
-    (kit/make_assignment.py), where some assignments are still stubs, training would run them: the run
-    must be there already, and while a drafter's own model is a stub (Medusa's heads before assignment 1)
-    its model is the base alone (model.heads is empty)."""
-    waiting = sorted({n for n, _, _ in stubs.stubs_in(_modules())})
-    if not waiting:
-        return gpt_pipeline.trained_model(device=device, drafter=drafter)
-    path = os.path.join(ROOT, "out", f"{drafter}.pt")
-    if FAST or not gpt_pipeline.run_finished(path):
-        path = os.path.join(ROOT, "out", "tiny", f"{drafter}.pt")
-    if not gpt_pipeline.run_finished(path):
-        raise RuntimeError(f"this copy cannot train the course's model: training runs the code of assignments "
-                           f"{', '.join(map(str, waiting))}, still to write here. kit/make_assignment.py copies "
-                           f"out/tiny/ in; or copy it from a full checkout where `python train_heads.py --preset tiny "
-                           f"--out out/tiny --drafters medusa,eagle` has run")
-    try:
-        return gpt_pipeline.trained_model(device=device, drafter=drafter)
-    except NotImplementedError:  # the drafter's own model is still to write here: the base alone
-        ckpt = checkpoints.load(path, device)
-    base = checkpoints.build_base(ckpt["base"], device)
-    base.load_state_dict({k.removeprefix("base."): v for k, v in ckpt["model"].items() if k.startswith("base.")})
-    print(f"the {drafter} drafter's code is not written in this copy: the model is the base alone, without it")
-    return (types.SimpleNamespace(base=base.eval(), heads=[]), checkpoints.load_tokenizer(path, ckpt), path, ckpt)
-
-
-def _modules():
-    """The project's root modules (the core and the commands), where a student copy's stubs are."""
-    return [name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")]
-
-
-def needs(*numbers):
-    """Whether assignments `numbers` are written in this copy of the project (none of their functions is a
-    stub); for each that is not, one line saying so. A notebook guards the cells that run an assignment's
-    code with it, so that a student copy runs top to bottom. The stubs carry their assignment's number
-    (lab/stubs.py), so this reads the source, not the course kit."""
-    found = stubs.stubs_in(_modules())
-    missing = [n for n in numbers if any(m == n for m, _, _ in found)]
-    for n in missing:
-        names = ", ".join(key.partition(":")[2] for m, key, _ in found if m == n)
-        print(f"this cell needs assignment {n} ({names}), not done in this copy")
-    return not missing
+    """gpt_pipeline.trained_model's (model, tokenizer, checkpoint path, checkpoint)."""
+    return gpt_pipeline.trained_model(device=device, drafter=drafter)
 
 
 def chosen_tree(ckpt):

@@ -277,6 +277,37 @@ def test_typical_fast_is_deterministic_and_typical_samples_the_root():
     assert len(outputs) > 1, f"typical gave the same tokens for seeds 0-3, {outputs.pop()[3:]}: is the root sampled?"
 
 
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_the_last_token_is_the_root_as_a_step_chooses_it(n):
+    """A generation one token short of its end commits the root alone, with no tree (n = 1: at once; n = 7:
+    after steps that commit a token or a few), chosen by the rule a step uses (verify.choose_root): greedy and
+    typical-fast take the argmax, whatever the seed; typical and exact draw it, as plain sampling does."""
+    model, idx = random_medusa(0), torch.tensor([[1, 2, 3]])
+
+    def run(seed, **kwargs):
+        torch.manual_seed(seed)
+        out, stats = medusa_generate(model, idx, n, TREES["sparse"], **kwargs)
+        assert out.size(1) == 3 + n
+        return out
+    assert_same_tokens(run(0), generate(model, idx, n), model, prompt_length=3)
+    fast = [run(seed, temperature=1.0, sampling="typical-fast") for seed in range(4)]
+    for out in fast[1:]:
+        assert torch.equal(out, fast[0]), "typical-fast drew a token: its last token must be the argmax too"
+    if n == 1:
+        assert torch.equal(fast[0], generate(model, idx, 1)), "typical-fast's root is the argmax"
+        for sampling in ("typical", "exact"):
+            drawn = {tuple(run(seed, temperature=1.0, sampling=sampling)[0].tolist()) for seed in range(4)}
+            assert len(drawn) > 1, f"{sampling}: the same root for seeds 0-3: is it drawn?"
+            for seed in range(4):
+                torch.manual_seed(seed)
+                plain = generate(model, idx, 1, 1.0)
+                assert torch.equal(run(seed, temperature=1.0, sampling=sampling), plain), f"{sampling}: not plain's draw"
+    else:
+        for sampling in ("typical", "exact"):
+            run(0, temperature=1.0, sampling=sampling)  # reaches the branch after steps, and ends at n tokens
+
+
 # ---------------------------------------------------------------- exact sampling: the tree walk
 
 WALK_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0)]  # nodes: 0 root, 1 (0,), 2 (1,), 3 (0,0), 4 (0,1), 5 (1,0)
@@ -467,18 +498,17 @@ def test_exact_sampling_draws_what_plain_sampling_draws(drafter):
     changes with every step's drafts; two MTP modules), the exact walk draws each token once, from the
     model's own conditional, in the order plain sampling draws them: with the same seed, the two write the
     same text. (The distribution itself: the tests above.)"""
-    from eagle import eagle_generate
+    from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
-    from mtp import mtp_generate
     model = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
     prompt = torch.tensor([[1, 2]])
     if drafter == "medusa":
         def exact():
             return medusa_generate(model, prompt, 6, TREE_2, temperature=0.7, sampling="exact")
     else:
-        decode = eagle_generate if drafter == "eagle" else mtp_generate
         def exact():
-            return decode(model, prompt, 6, DynamicTree(topk=2, nodes=4, depth=2), temperature=0.7, sampling="exact")
+            return feature_generate(model, prompt, 6, DynamicTree(topk=2, nodes=4, depth=2), temperature=0.7,
+                                    sampling="exact")
     accepted = 0
     for seed in range(SEEDS):
         torch.manual_seed(seed)

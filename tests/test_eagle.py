@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import trained_once, assert_same_tokens, clock_gpt, periodic_batch, tiny_config
-from eagle import EagleModel, eagle_generate, eagle_loss
+from eagle import EagleModel, eagle_loss
+from feature_drafter import feature_generate
 from feature_drafter import DynamicTree, FeatureDrafter, chain_outputs
 from medusa_mini import GPT, generate
 from mtp import MTPModel
@@ -109,7 +110,7 @@ def test_a_perfect_draft_layer_commits_depth_plus_one_tokens_every_step(tree, re
     V = eagle.base.config.vocab_size
     for S in (1, 6):
         idx = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(S))
-        out, stats = eagle_generate(eagle, idx, 40, tree)
+        out, stats = feature_generate(eagle, idx, 40, tree)
         assert out[0, S:].tolist() == [(S + i) % V for i in range(40)]
         why = ("is each token embedded where it sits?" if reads == "token" else
                "is each entry fed its own parent's predicted feature?")
@@ -124,7 +125,7 @@ def test_greedy_eagle_equals_plain_greedy_on_a_random_model(tree, seed, device):
     """An untrained layer drafts mostly wrong tokens: the output is plain greedy's all the same."""
     model = random_eagle(seed, block_size=64).to(device)
     idx = torch.randint(0, 32, (1, 5), generator=torch.Generator().manual_seed(seed)).to(device)
-    fast, stats = eagle_generate(model, idx, 50, tree)
+    fast, stats = feature_generate(model, idx, 50, tree)
     assert_same_tokens(fast, generate(model.base, idx, 50), model.base, stats, 5)
 
 
@@ -162,11 +163,11 @@ def test_a_trained_layer_is_accepted_and_exact(tree, device):
     model = periodic_eagle().to(device)
     idx = torch.tensor([[3, 17]], device=device)
     plain = generate(model.base, idx, 40)
-    fast, stats = eagle_generate(model, idx, 40, tree)
+    fast, stats = feature_generate(model, idx, 40, tree)
     assert_same_tokens(fast, plain, model.base, stats, 2)
     assert stats.tokens_per_step > 2.5, stats.accept_lengths
     stop = plain[0, 20].item()
-    fast, stats = eagle_generate(model, idx, 40, tree, stop_tokens=[stop])
+    fast, stats = feature_generate(model, idx, 40, tree, stop_tokens=[stop])
     assert_same_tokens(fast, generate(model.base, idx, 40, stop_tokens=[stop]), model.base, stats, 2)
     assert fast[0, -1] == stop
 
@@ -174,8 +175,8 @@ def test_a_trained_layer_is_accepted_and_exact(tree, device):
 def test_bad_trees_are_refused():
     model = random_eagle()
     with pytest.raises(ValueError, match="rank 40"):
-        eagle_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (40,)])
+        feature_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (40,)])
     with pytest.raises(ValueError, match="at least 1"):
-        eagle_generate(model, torch.tensor([[1, 2]]), 5, DynamicTree(topk=0))
+        feature_generate(model, torch.tensor([[1, 2]]), 5, DynamicTree(topk=0))
     with pytest.raises(ValueError, match="prefix-closed"):
-        eagle_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (1, 0)])
+        feature_generate(model, torch.tensor([[1, 2]]), 5, [(0,), (1, 0)])

@@ -60,11 +60,11 @@ GRAPH = {name: imported(tree) - {name} for name, tree in TREES.items()}
 def test_the_first_ls_shows_the_core_and_the_everyday_commands():
     """At the root: the core a student reads and the commands a user runs; the lab and the kit below."""
     root = {p.stem for p in ROOT.glob("*.py")}
-    assert {"medusa_mini", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm"} <= root
+    assert {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm"} <= root
     # lab.gpu_check is the maintainers' GPU run (python -m lab.gpu_check), not an everyday command
     assert COMMANDS == {"train_heads", "benchmark", "sample", "ablation", "export", "kit.grade", "kit.make_assignment",
                         "lab.gpu_check"}
-    assert root == {"medusa_mini", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm", "train_heads",
+    assert root == {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm", "train_heads",
                     "benchmark", "sample", "ablation", "export"}, root
     assert not list(ROOT.glob("*.toml")), "the kit's TOML files live in kit/"
 

@@ -6,7 +6,8 @@ import torch
 
 from conftest import periodic_batch, random_medusa, tiny_config
 from medusa_mini import GPT, HeadStack, MedusaDrafter, MedusaModel, generate, medusa_loss
-from verify import KVCache, prefill, verify_step
+from kv_cache import KVCache
+from verify import prefill, verify_step
 from tree import build_tree_buffers, dense_tree
 
 

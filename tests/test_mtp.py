@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from conftest import trained_once, assert_same_tokens, periodic_batch, tiny_config
 from feature_drafter import DynamicTree
 from medusa_mini import GPT, generate
-from mtp import MTPModel, mtp_generate, mtp_losses, mtp_weight
+from feature_drafter import feature_generate
+from mtp import MTPModel, mtp_losses, mtp_weight
 
 
 @trained_once
@@ -59,7 +60,7 @@ def test_mtp_drafts_are_accepted_and_exact(tree, device):
     (vLLM's reuse): well over 2 tokens a step, and the output is plain greedy's."""
     model = periodic_mtp().to(device)
     idx = torch.tensor([[3, 17]], device=device)
-    fast, stats = mtp_generate(model, idx, 40, tree)
+    fast, stats = feature_generate(model, idx, 40, tree)
     assert_same_tokens(fast, generate(model.base, idx, 40), model.base, stats, 2)
     assert stats.tokens_per_step > 2.5, stats.accept_lengths
 
@@ -68,5 +69,5 @@ def test_an_untrained_mtp_drafter_is_exact_all_the_same():
     torch.manual_seed(3)
     model = MTPModel(GPT(tiny_config()), depth=2).eval()
     idx = torch.tensor([[1, 2, 3]])
-    fast, stats = mtp_generate(model, idx, 30, DynamicTree(topk=3, nodes=8, depth=3))
+    fast, stats = feature_generate(model, idx, 30, DynamicTree(topk=3, nodes=8, depth=3))
     assert_same_tokens(fast, generate(model.base, idx, 30), model.base, stats, 3)

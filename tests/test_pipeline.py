@@ -16,7 +16,7 @@ from lab.cli import RunError, UsageError
 from lab.config import PRESETS, gpt_run
 from lab.timing import Mode
 from medusa_mini import GPT, GPTConfig, generate
-from verify import KVCache
+from kv_cache import KVCache
 from tree import dense_tree, validate_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

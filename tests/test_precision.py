@@ -16,7 +16,7 @@ from lab.probes import true_joint
 from medusa_mini import generate, medusa_generate
 from test_decoding import N_DRAWS, SEEDS, TREE_2, V_SMALL, assert_follows, skewed_eagle, skewed_model, skewed_mtp
 from tree import build_tree_buffers
-from verify import KVCache
+from kv_cache import KVCache
 
 BF16 = torch.bfloat16
 SPACINGS = 4  # the tolerance, in bf16 spacings at the largest logit (the largest difference over 12 prefixes: 1)
@@ -73,8 +73,7 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
     """decoding_copy packs a bf16 copy's linear layers on a CPU with bf16 instructions (PackedLinear): the
     layout changes, not the arithmetic. The base's logits over a tree (mask, cache) and each drafter's
     greedy text equal those of the same copy left unpacked (measured: equal bit for bit)."""
-    from eagle import eagle_generate
-    from mtp import mtp_generate
+    from feature_drafter import feature_generate
     trained = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
     packed, plain = devices.decoding_copy(trained, BF16), copy.deepcopy(trained).to(BF16)
     if devices.packs_bf16(packed.base.lm_head.weight):
@@ -88,7 +87,7 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
         return base(torch.tensor([[1, 2, 3, 0]]), b.position_ids + 3, b.attn_mask, cache)[0].float()
     expected = tree_logits(plain.base)
     assert (tree_logits(packed.base) - expected).abs().max() <= spacing(expected.abs().max())
-    decode = {"medusa": medusa_generate, "eagle": eagle_generate, "mtp": mtp_generate}[drafter]
+    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate}[drafter]
     tree = TREE_2 if drafter == "medusa" else [(0,), (1,), (0, 0)]
     assert torch.equal(decode(packed, torch.tensor([[1, 2]]), 5, tree)[0], decode(plain, torch.tensor([[1, 2]]), 5, tree)[0])
 
@@ -169,13 +168,12 @@ def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
 def test_exact_sampling_in_bf16_draws_what_plain_bf16_sampling_draws(drafter):
     """The same identity in bfloat16 (lab/devices.decoding_copy): the walk's conditionals are the bf16 model's,
     softmax on float32 logits, so with the same seed it writes plain bf16 sampling's text."""
-    from eagle import eagle_generate
+    from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
     from lab.devices import decoding_copy
-    from mtp import mtp_generate
     model = decoding_copy({"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter](), torch.bfloat16)
     prompt = torch.tensor([[1, 2]])
-    decode = {"medusa": medusa_generate, "eagle": eagle_generate, "mtp": mtp_generate}[drafter]
+    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate}[drafter]
     tree = TREE_2 if drafter == "medusa" else DynamicTree(topk=2, nodes=4, depth=2)
     for seed in range(SEEDS // 4):
         torch.manual_seed(seed)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lab import data
 import smollm
 from medusa_mini import MedusaModel, generate, medusa_generate
-from verify import KVCache
+from kv_cache import KVCache
 from tree import build_tree_buffers, dense_tree
 
 
@@ -172,10 +172,11 @@ def test_greedy_medusa_equals_plain_greedy(smol):
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_greedy_eagle_equals_plain_greedy(smol, tree):
-    """eagle_generate, unchanged, on this model with an EAGLE layer of its own kind (a Llama block, RoPE):
+    """feature_generate, unchanged, on this model with an EAGLE layer of its own kind (a Llama block, RoPE):
     identical greedy tokens, on a static tree and on EAGLE-2's dynamic tree. The layer is untrained
     (its drafts are mostly wrong); the SmolLM2 report checks a trained one on every held-out prompt."""
-    from eagle import EagleModel, eagle_generate
+    from eagle import EagleModel
+    from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
     model, enc, _ = smol
     torch.manual_seed(0)
@@ -183,7 +184,7 @@ def test_greedy_eagle_equals_plain_greedy(smol, tree):
     idx = torch.tensor([smollm.chat_tokens(enc, "Name three colours.")])
     plain = generate(model, idx, 16)
     shape = dense_tree([2, 2, 1]) if tree == "static" else DynamicTree(topk=2, nodes=5, depth=3)
-    fast, stats = eagle_generate(eagle, idx, 16, shape)
+    fast, stats = feature_generate(eagle, idx, 16, shape)
     assert torch.equal(fast, plain)
     assert len(stats.token_depths) == 16
 

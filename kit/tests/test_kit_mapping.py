@@ -15,7 +15,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kit")]
 import grade  # noqa: E402
 import grading  # noqa: E402
 import make_assignment as ma  # noqa: E402
-from lab import stubs  # noqa: E402
+import stubs  # noqa: E402
 
 MAPPING = ma.load_mapping(ROOT / ma.MAPPING)
 ASSIGNMENTS = MAPPING["assignment"]
