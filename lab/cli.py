@@ -13,7 +13,9 @@ import argparse
 import errno
 import math
 import os
+import signal
 import sys
+import threading
 
 
 class UsageError(Exception):
@@ -64,6 +66,16 @@ def number(low=None, high=None, low_open=False):
     return parse
 
 
+def choice(*options):
+    """A flag type: one of `options` (strings)."""
+    def parse(value):
+        if value not in options:
+            raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(options)}")
+        return value
+    parse.__name__ = "choice"
+    return parse
+
+
 def text(value):
     """A flag type: a string that is not empty (an empty --out or --prompt is a mistake, not the default)."""
     if not value.strip():
@@ -77,10 +89,18 @@ def threads(value):
     return integer(1, cores)(value)
 
 
+def interrupt(signum, frame):
+    """SIGTERM (`timeout`, `kill`, `docker stop`) as Ctrl-C: the same one line, the same exit status."""
+    raise KeyboardInterrupt
+
+
 def finish(main, argv=None) -> int:
     """Run a command's main and turn the user's mistakes into one line and an exit status: 2 for a
-    UsageError, 1 for a RunError, 130 for
-    Ctrl-C or SIGTERM, 0 when the output pipe closed early (`| head`). Anything else is raised."""
+    UsageError, 1 for a RunError, 130 for Ctrl-C or SIGTERM (a training loop saves first: lab/train.py),
+    0 when the output pipe closed early (`| head`). Anything else is raised."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         main(argv)
         return 0
@@ -102,6 +122,9 @@ def finish(main, argv=None) -> int:
         quiet_stdout()
         print(f"error: {e.strerror}: {e.filename or 'writing the output'}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def quiet_stdout():
@@ -111,15 +134,3 @@ def quiet_stdout():
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-
-
-# glibc allocator settings that keep freed memory: by default glibc hands large tensors back to the OS
-# after every step and maps them in again on the next; on small Linux VMs that made CPU training slower
-# (measured: docs/results.md). glibc reads them when a process starts, so a command re-runs itself once.
-FAST_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000", "MALLOC_TOP_PAD_": "1000000000"}
-
-
-def use_fast_malloc():
-    """Re-run this command once with FAST_MALLOC in its environment (on Linux; nothing elsewhere)."""
-    if sys.platform == "linux" and not any(k in os.environ for k in FAST_MALLOC):
-        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **FAST_MALLOC})

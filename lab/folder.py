@@ -62,15 +62,22 @@ def write_json(path, data, **kwargs):
     write_text(path, json.dumps(data, **kwargs))
 
 
-def check_writable(out):
+def check_writable(out, keep=True):
     """Make the folder if needed and try a write there, before any long work: a read-only or full
-    folder is one line now, not after minutes of training."""
+    folder is one line now, not after minutes of training. keep=False: a folder made only for the check
+    is removed again (a command that may still refuse leaves nothing behind)."""
+    made = not os.path.isdir(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise RunError(describe(e, out)) from None
-    write_text(os.path.join(out, ".writable"), "ok\n")
-    os.remove(os.path.join(out, ".writable"))
+    try:
+        write_text(os.path.join(out, ".writable"), "ok\n")
+        os.remove(os.path.join(out, ".writable"))
+    finally:
+        if made and not keep:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
 
 
 def remove_orphans(out):

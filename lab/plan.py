@@ -2,13 +2,12 @@
 memory and time, before any training (train_heads.py prints it). Estimates, from parameter and
 activation counts and two measured steps; not measurements.
 """
-import time
 
 import torch
 import torch.nn.functional as F
 
 from lab import drafters, report, timing
-from lab.devices import dtype_name, sync
+from lab.dtypes import dtype_name
 from lab.train import autocast, training_dtype
 from medusa_mini import GPT, GPTConfig, generate
 
@@ -40,6 +39,11 @@ def drafter_parameters(config: GPTConfig, run) -> dict:
                 for name in run.drafters}
 
 
+def stage_label(kind, stage, run) -> str:
+    """How the plan names a drafter's training stage: the drafter, or its stage's file when it has several."""
+    return kind.name if len(kind.stages(run)) == 1 else stage.file
+
+
 def estimate_memory(config: GPTConfig, run, dtype=torch.float32) -> dict:
     """Estimated peak bytes per stage.
 
@@ -58,9 +62,11 @@ def estimate_memory(config: GPTConfig, run, dtype=torch.float32) -> dict:
     memory = {"base": 16 * N + activations + logits,
               "distill": 4 * N + estimate_generation_bytes(config, rows, DISTILL_PROMPT + run.distill_len)}
     for name, p in P.items():
-        memory[name] = 4 * N + 16 * p + 2 * activations // L + run.num_heads * logits
-    if run.joint:
-        memory["joint"] = 20 * N + 16 * sum(P.values()) + activations + (run.num_heads + 2) * logits
+        kind = drafters.get(name)
+        for stage in kind.stages(run):  # one that trains the base too holds its gradients and moments
+            memory[stage_label(kind, stage, run)] = (20 * N + 16 * p + activations + (kind.outputs(run) + 2) * logits
+                                                     if stage.changes_base else
+                                                     4 * N + 16 * p + 2 * activations // L + kind.outputs(run) * logits)
     memory["tree and report"] = 4 * (N + sum(P.values())) + estimate_generation_bytes(config, 1, run.seq_len,
                                                                                       prompt=run.seq_len)
     return memory
@@ -98,9 +104,10 @@ def estimate_seconds(config: GPTConfig, run, train_step, decode_step) -> dict:
                "distill": run.distill_prompts * (DISTILL_PROMPT + run.distill_len) * (2 * N + attention) / rate
                * DECODING_SLOWDOWN}
     for name, p in P.items():
-        seconds[name] = drafters.get(name).steps(run) * B * T * (2 * N + attention + 6 * p + 6 * C * V) / rate
-    if run.joint:
-        seconds["joint"] = run.joint_steps * B * T * (8 * N + 5 * attention + 6 * sum(P.values())) / rate
+        kind = drafters.get(name)
+        for stage in kind.stages(run):  # a stage that trains the base runs its backward pass too
+            per_token = (8 * N + 5 * attention + 6 * p) if stage.changes_base else (2 * N + attention + 6 * p + 6 * C * V)
+            seconds[stage_label(kind, stage, run)] = stage.steps(run) * B * T * per_token / rate
     seconds["tree and report"] = (n_threads * step_costs * len(run.drafters) + report_tokens) * decode_step
     return seconds
 
@@ -111,22 +118,19 @@ def measure_steps(config: GPTConfig, run, device):
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     x = torch.zeros(run.batch_size, run.seq_len, dtype=torch.long, device=device)
-    for _ in range(3):
-        t0 = time.time()
+
+    def step():
         with autocast(device):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync(device)
-        train_step = time.time() - t0
+    for _ in range(3):
+        train_step, _ = timing.timed(step, device)
     n = 8
     generate(model, x[:1, :8], 2)
-    sync(device)
-    t0 = time.time()
-    generate(model, x[:1, :8], n + 1)
-    sync(device)
-    return train_step, (time.time() - t0) / n
+    decode, _ = timing.timed(lambda: generate(model, x[:1, :8], n + 1), device)
+    return train_step, decode / n
 
 
 def print_plan(run, config, device):

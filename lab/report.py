@@ -1,19 +1,16 @@
-"""The report: every trained drafter against plain decoding of the same model, on the same held-out
-prompts, interleaved, best against best (lab/timing.py); its tables, report.json, report.md and the
-pictures. train_heads.py writes it at the end of a run, benchmark.py again on a finished one.
+"""The report's measurements: every trained drafter against plain decoding of the same model, on the same
+held-out prompts, interleaved, best against best (lab/timing.py). train_heads.py measures it at the end of a
+run, benchmark.py again on a finished one; lab/report_files.py writes it down, lab/plots.py draws it.
 """
-import io
-import os
-import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from lab import folder, probes, timing
-from lab.devices import dtype_name
+from lab import timing
+from lab.ops import count_ops
+from lab.dtypes import dtype_name
 from lab.timing import Mode
-from lab.trees import SAMPLE_T, Trees, tree_json, tree_label
+from lab.tree_choice import SAMPLE_T, Trees, tree_json, tree_label
 from medusa_mini import generate
 from tree import expected_tokens_per_step
 
@@ -110,7 +107,7 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
         table[name]["drafter"] = mode.drafter
         if name != "plain greedy" and mode.sampling == "greedy":
             table[name]["greedy_identical"] = timing.identical_share(runs, name, "plain greedy", threads)
-    counts = {d.name: probes.count_ops(d.kind, d.model, prompts[0].view(1, -1), d.trees.tree, n_new) if ops else None
+    counts = {d.name: count_ops(d.kind, d.model, prompts[0].view(1, -1), d.trees.tree, n_new) if ops else None
               for d in drafted}
     report = {"drafter": first.name, "modes": table, "threads": threads, "prompts": len(prompts),
               "new_tokens": n_new, "repeats": repeats,
@@ -187,21 +184,6 @@ def precision_agreement(runs, modes, table, reference, prompts, threads):
             "fastest_plain": max(("plain greedy", REFERENCE), key=lambda n: table[n]["tokens_per_s"])}
 
 
-def format_precision(precision):
-    """The agreement table: each greedy mode in the decoding dtype against the float32 model's greedy text."""
-    dtype = precision["dtype"]
-    lines = [f"| greedy, {dtype} | tokens agreeing with float32 greedy: mean (per prompt) | identical to the end "
-             "| float32 top-2 margin where it leaves | against plain's agreement | tokens/s against the fastest "
-             "plain |", "|---|---|---|---|---|---|"]
-    for name, r in precision["modes"].items():
-        margins = ", ".join(f"{m:.2f}" for m in r["margin_at_divergence"] if m is not None) or "-"
-        lines.append(f"| {name} | {r['mean_agreed']:.1f} ({' '.join(map(str, r['agreed']))}) | {r['identical']}/"
-                     f"{precision['prompts']} | {margins} | {r['agreed_vs_plain']:.2f} | {r['vs_fastest_plain']:.2f}x |")
-    return "\n".join(lines) + (f"\n\nThe fastest plain decoding here: {precision['fastest_plain']} "
-                               f"({precision['fastest_plain_tokens_per_s']:.0f} tokens/s); `{REFERENCE}` is the "
-                               f"float32 model, timed in the same rounds.")
-
-
 def equal_trees(drafted, prompts, n_new, sizes, threads, repeats=REPORT_REPEATS):
     """Greedy decoding with every drafter on its own grown tree of each size (the first n nodes of the
     order its accuracies grew: the tree grow_tree picks for n), interleaved with plain greedy: tokens per
@@ -233,182 +215,4 @@ def equal_trees(drafted, prompts, n_new, sizes, threads, repeats=REPORT_REPEATS)
                   f"thr) | {row['speedup']:.2f}x | {row['overhead_per_step']:.2f} | {row['greedy_identical']:.0%} |")
     return table
 
-
-# ---------------------------------------------------------------------------------------- the text
-
-def format_table(report):
-    """The report's table: tokens/s at each thread count, and the speedup best against best."""
-    threads = report["threads"]
-    lines = ["| mode | tokens/step | " + " | ".join(f"tokens/s, {t} thread{'s' * (t != 1)}" for t in threads)
-             + " | speedup (best vs best) | overhead/step (x plain) | distinct 4-grams | = plain greedy |",
-             "|---|---|" + "---|" * len(threads) + "---|---|---|---|"]
-    for name, r in report["modes"].items():
-        def f(key, fmt):
-            return format(r[key], fmt) if key in r else "-"
-        speeds = " | ".join(f"{r['tokens_per_s_by_threads'][t]:.0f}" + ("*" if t == r["threads"] else "")
-                            if t in r["tokens_per_s_by_threads"] else "-" for t in threads)
-        lines.append(f"| {name} | {f('tokens_per_step', '.2f')} | {speeds} | "
-                     + ("-" if "tokens_per_step" not in r else f"{r['speedup']:.2f}x")
-                     + f" | {f('overhead_per_step', '.2f')} | {f('distinct_4gram', '.2f')} | "
-                     + (f"{r['greedy_identical']:.0%}" if "greedy_identical" in r else "-") + " |")
-    return "\n".join(lines) + "\n\n* = the thread count each mode runs fastest at (- = not run at that count: " \
-        "slower for that mode on the first prompt); speedup = its best tokens/s over its plain baseline's best " \
-        "tokens/s (sampled modes against plain sampling)."
-
-
-def format_drafters(report):
-    """The comparison of the drafters: each at its best tree and thread count, against plain decoding."""
-    lines = ["| drafter | parameters | training | greedy: tokens/step, tokens/s, speedup | step cost (x plain) | "
-             "typical T=0.7: speedup | exact T=0.7: tokens/step, speedup | = plain greedy | ops/step (x plain) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, d in report["drafters"].items():
-        g, t, e = d["greedy"], d["typical"], d["exact"]
-        seconds = d["training"].get("seconds")
-        lines.append(f"| {name} | {d['parameters'] / 1e6:.2f}M | " + (f"{seconds:.0f} s" if seconds else "-")
-                     + f" | {g['tokens_per_step']:.2f}, {g['tokens_per_s']:.0f}, **{g['speedup']:.2f}x** | "
-                     f"{g['step_cost']:.2f} | {t['speedup']:.2f}x | {e['tokens_per_step']:.2f}, {e['speedup']:.2f}x | "
-                     f"{d['greedy_identical']:.0%} | " + (f"{d['ops_ratio']:.2f}" if d["ops_ratio"] else "-") + " |")
-    return "\n".join(lines) + "\n\nEach drafter at its best tree (of those in the mode table) and thread count, against " \
-        "plain decoding at its best; step cost = a step's time over a plain step's, drafting included."
-
-
-def stamped(results):
-    """Results with the date and time (UTC) and the command that measured them, as a JSON file keeps them."""
-    return {**results, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join(["python", os.path.basename(sys.argv[0]), *sys.argv[1:]])}
-
-
-def write_json(path, results):
-    """results, stamped, to a JSON file (atomically)."""
-    folder.write_json(path, stamped(results), indent=1, default=str)
-
-
-def write_report(report, out):
-    """report.json (stamped), report.md and the PNGs, each written atomically; prints the tables."""
-    write_json(os.path.join(out, "report.json"), report)
-    pngs = plot_report(report, out)
-    table = format_table(report)
-    repeats = report["repeats"]
-    md = [f"# medusa-mini report ({report['preset']} preset, {report['device']})", "",
-          f"{report['prompts']} held-out prompts x {report['new_tokens']} new tokens; each time is the median of "
-          f"{repeats} interleaved runs{' (of two, their mean)' * (repeats == 2)}; the plain "
-          "modes and each drafter's chosen tree run at every thread count, the other modes at the count fastest "
-          "for them on the first prompt.", "", format_drafters(report), "", table, ""]
-    if "precision" in report:
-        md += [f"## {report['precision']['dtype']} against float32", "", format_precision(report["precision"]), ""]
-    if "ops" in report:
-        md += [probes.format_ops(report["ops"]), ""]
-    if "tree_size_sweep" in report:
-        md += ["## Tree size sweep (grown trees, greedy)", "",
-               "| nodes | expected tokens/step | measured tokens/step | speedup |", "|---|---|---|---|"]
-        md += [f"| {r['nodes']} | {r['expected_tokens_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |"
-               for r in report["tree_size_sweep"]]
-    base = report.get("training", {}).get("base", {})
-    if "val_loss_halves" in base:  # every position trained: later positions, with more context, are no worse
-        md += ["", f"Base model held-out loss {base['val_loss']:.3f}; over the first and second half of the context's "
-               f"positions: {base['val_loss_halves'][0]:.3f} and {base['val_loss_halves'][1]:.3f}."]
-    joint = report.get("training", {}).get("joint")
-    if joint:  # Medusa-2 changed the backbone: show that the base model's quality was kept
-        md += ["", "## Medusa-2 (--joint)", "", f"Base model validation loss: {joint['val_loss_before']:.3f} before, "
-               f"{joint['val_loss_after']:.3f} after joint training (tokens/step above are with the joint model)."]
-    md += ["", "## Sample (chosen tree, greedy)", "", f"Distinct 4-grams in plain greedy text: "
-           f"{report['greedy_distinct_4']:.2f} (1.00: no 4-gram repeats).", "", "```", str(report["sample"]), "```", ""]
-    md += [f"![{p}]({p})" for p in pngs]
-    folder.write_text(os.path.join(out, "report.md"), "\n".join(md) + "\n")
-    print("\n" + table)
-    print("\n" + format_drafters(report))
-    if "precision" in report:
-        print("\n" + format_precision(report["precision"]))
-    if "ops" in report:
-        print("\n" + probes.format_ops(report["ops"]))
-    print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")
-
-
-def plot_report(report, out):
-    """The report's pictures, each written atomically; returns their file names."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    files = []
-
-    def save(fig, name):
-        fig.tight_layout()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
-        folder.write_atomically(os.path.join(out, name), lambda f: f.write(buffer.getvalue()))
-        files.append(name)
-
-    training = report.get("training", {})
-    curves = {label: training.get(part, {}).get("history") for label, part in
-              (("base model (LM loss)", "base"), ("first drafter (its loss)", report["drafter"]))}
-    if any(curves.values()):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for label, h in curves.items():
-            if h:
-                ax.plot(h["step"], h["loss"], label=label)
-        ax.set(title="Training curves", xlabel="step", ylabel="training loss")
-        ax.legend()
-        save(fig, "training_curves.png")
-    h = training.get("base", {}).get("history", {})
-    if h.get("seconds"):  # the base model's loss against wall-clock time: what a recipe is judged on
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(h["seconds"], h["loss"], label="training loss")
-        ax.axhline(training["base"]["val_loss"], color="0.5", ls="--", label="final held-out loss")
-        ax.set(title=f"Base model: loss against time ({report['device']})", xlabel="seconds", ylabel="loss")
-        ax.legend()
-        save(fig, "loss_vs_time.png")
-
-    acc = report["accuracies"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ks = range(1, len(acc) + 1)
-    ax.bar([k - 0.2 for k in ks], [a[0] for a in acc], width=0.4, label="top-1")
-    ax.bar([k + 0.2 for k in ks], [sum(a[:5]) for a in acc], width=0.4, label="top-5")
-    ax.set(title=f"{report['drafter']}: draft accuracy by depth, greedy decoding (held-out prompts)",
-           xlabel="depth k (the draft of token t+k+1)", ylabel="accuracy", xticks=list(ks), ylim=(0, 1))
-    ax.legend()
-    save(fig, "head_accuracy.png")
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    lengths = report["accept_lengths"]
-    ax.hist(lengths, bins=[x - 0.5 for x in range(max(lengths) + 2)], rwidth=0.8)
-    ax.set(title="Accept lengths per step (chosen tree, greedy)", xlabel="tokens accepted after the root",
-           ylabel="steps")
-    save(fig, "accept_lengths.png")
-
-    drafters = report.get("drafters", {})
-    if len(drafters) > 1:  # the drafters side by side: speedup best against best, per mode
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        width = 0.8 / len(drafters)
-        for i, (name, d) in enumerate(drafters.items()):
-            ax.bar([m + (i - (len(drafters) - 1) / 2) * width for m in range(3)],
-                   [d[mode]["speedup"] for mode in ("greedy", "typical", "exact")], width=width, label=name)
-        ax.axhline(1.0, color="0.5", lw=0.8)
-        ax.set(title=f"Drafters against plain decoding ({report['device']}, best against best)",
-               xticks=range(3), xticklabels=["greedy", "typical T=0.7", "exact T=0.7"], ylabel="x plain decoding")
-        ax.legend()
-        save(fig, "drafters.png")
-
-    sweep = report.get("tree_size_sweep")
-    if sweep:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        nodes = [r["nodes"] for r in sweep]
-        ax.plot(nodes, [r["expected_tokens_per_step"] for r in sweep], "o--", label="expected (from accuracies)")
-        ax.plot(nodes, [r["tokens_per_step"] for r in sweep], "o-", label="measured")
-        ax.set(title="Tokens per step: expected against measured", xlabel="tree nodes (grown tree)",
-               ylabel="tokens per step", xscale="log", xticks=nodes, xticklabels=nodes)
-        ax.legend()
-        save(fig, "expected_vs_measured.png")
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(nodes, [r["speedup"] for r in sweep], "o-", label="measured speedup")
-        t = report["sweep_threads"]
-        rel = report["step_costs"][t]["relative"]
-        ax.plot([int(n) for n in rel], list(rel.values()), "s:", label="step cost / plain step")
-        ax.axhline(1.0, color="0.5", lw=0.8)
-        ax.set(title=f"Speedup against tree size ({report['device']}, {t} thread{'s' * (t != 1)})",
-               xlabel="tree nodes (grown tree)", ylabel="x plain greedy", xscale="log", xticks=nodes, xticklabels=nodes)
-        ax.legend()
-        save(fig, "speedup_vs_tree_size.png")
-    return files
 

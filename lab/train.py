@@ -109,8 +109,8 @@ def train_loop(name, params, loss_fn, steps, lr, save, resume_from=None, weight_
     """AdamW with warm-up and cosine decay. params: [(tensors, lr multiplier)]; weight decay on
     matrices only (not on biases and norm gains, as in GPT-2). loss_fn(step) returns (loss, {name: tensor
     to show}), drawing its randomness from step_generator(seed, step); both are read on the host only
-    every LOG_EVERY steps. resume_from: a checkpoint save() wrote when interrupted ("step": the steps
-    done, "optimizer", "history").
+    every LOG_EVERY steps. resume_from: a checkpoint save() wrote when interrupted (lab/checkpoints.Checkpoint:
+    its step, the steps done; optimizer; history).
 
     Returns (history of step, loss and seconds, optimizer). Ctrl-C or SIGTERM: after the step under way,
     save(steps_done, opt, history, done=False) writes a resumable checkpoint, and the process exits
@@ -122,8 +122,8 @@ def train_loop(name, params, loss_fn, steps, lr, save, resume_from=None, weight_
     scaler = torch.amp.GradScaler(device.type, enabled=training_dtype(device) == torch.float16)
     start, history = 0, {"step": [], "loss": [], "seconds": []}
     if resume_from is not None:
-        opt.load_state_dict(resume_from["optimizer"])
-        start, history = resume_from["step"], resume_from["history"]
+        opt.load_state_dict(resume_from.optimizer)
+        start, history = resume_from.step, resume_from.history
         print(f"{name}: resuming at step {start}")
     t0 = time.time() - (history["seconds"][-1] if history["seconds"] else 0.0)
     bar = tqdm(range(start, steps), desc=name, initial=start, total=steps, dynamic_ncols=True)

@@ -44,10 +44,10 @@ def trained_once(build):
 
 def tiny_run_folder():
     """out/tiny/, the tiny preset's run that the notebooks (in fast mode), the command tests and the kit's
-    copies use (lab/gpt_pipeline.tiny_run): trained once, if it is not there yet (a file lock keeps two
+    copies use (lab/runs.tiny_run): trained once, if it is not there yet (a file lock keeps two
     test processes from training it twice)."""
-    from lab import gpt_pipeline
-    return gpt_pipeline.tiny_run()
+    from lab import runs
+    return runs.tiny_run()
 
 
 def tiny_config(**kw):

@@ -14,7 +14,7 @@ import ablation
 import benchmark
 import sample
 import train_heads
-from lab import cli, devices, smollm_pipeline
+from lab import cli, devices, malloc, pipeline
 from lab.cli import UsageError
 from lab.config import SmolRun
 
@@ -37,7 +37,7 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
     and learning rate, and report sizes to the SmolLM2 run: nothing is dropped, the device included."""
     fake_cuda(monkeypatch)
     got = {}
-    monkeypatch.setattr(smollm_pipeline, "run", lambda run: got.update(run=run))
+    monkeypatch.setattr(pipeline, "run", lambda run: got.update(run=run))
     train_heads.main(["--base", "smollm2", "--device", "cuda", "--threads", "1", "--seed", "3", "--resume",
                       "--out", str(tmp_path), "--head-steps", "7", "--head-lr", "0.01", "--report-prompts", "2",
                       "--report-tokens", "9"])
@@ -51,10 +51,9 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
 def test_dtype_reaches_the_run_and_auto_says_what_it_picked(monkeypatch, capsys, tmp_path, base, dtype):
     """train_heads.py --dtype: the run decodes in the dtype asked, or auto's pick (a T4 stand-in: float32,
     no bf16 tensor cores), printed with its reason."""
-    from lab import gpt_pipeline
     fake_cuda(monkeypatch, bf16=False)
     got = {}
-    monkeypatch.setattr(smollm_pipeline if base == "smollm2" else gpt_pipeline, "run", lambda run: got.update(run=run))
+    monkeypatch.setattr(pipeline, "run", lambda run: got.update(run=run))
     train_heads.main(["--base", base, "--device", "cuda", "--dtype", dtype, "--out", str(tmp_path)])
     expected = "float32" if dtype == "auto" else dtype
     assert got["run"].dtype == expected
@@ -117,8 +116,8 @@ def test_a_malformed_flag_is_one_line_not_a_usage_dump(name):
 
 
 def test_sample_refuses_flags_that_would_do_nothing():
-    for argv, message in ((["--chat", "hi"], "--chat talks to SmolLM2"),
-                          (["--base", "smollm2", "--prompt", "x"], "SmolLM2 takes a --chat"),
+    for argv, message in ((["--chat", "hi"], "--chat is how SmolLM2 takes its prompt"),
+                          (["--base", "smollm2", "--prompt", "x"], "SmolLM2 takes --chat"),
                           (["--sampling", "exact"], "give a --temperature above 0"),
                           (["--tokens", "0"], "must be from 1")):
         with pytest.raises(UsageError, match=message):
@@ -145,7 +144,7 @@ def test_finish_tells_a_users_mistake_from_a_bug(capsys):
 
 def test_a_users_mistake_is_one_line_and_exit_status_2():
     """Run as a user runs it: one line on stderr, status 2."""
-    env = {**os.environ, **cli.FAST_MALLOC}  # set: the command starts once, not twice
+    env = {**os.environ, **malloc.FAST_MALLOC}  # set: the command starts once, not twice
     result = subprocess.run([sys.executable, "train_heads.py", "--base", "smollm2", "--preset", "tiny"], cwd=ROOT,
                             env=env, capture_output=True, text=True)
     assert result.returncode == 2

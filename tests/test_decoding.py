@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import trained_once, PERIOD, assert_same_tokens, clock_model, random_medusa, tiny_config
 from medusa_mini import GPT, MedusaModel, generate, medusa_generate, medusa_loss
-from lab.probes import chi_square, chi_square_family, draws_from, shifted_marginal, true_joint
+from lab.distribution import chi_square_family, draws_from, shifted_marginal, true_joint
 from verify import evaluate_posterior, sample_tree_walk
 from tree import build_tree_buffers, dense_tree
 
@@ -550,12 +550,12 @@ def test_bad_requests_raise_clear_errors(kwargs, message):
 
 
 def test_exact_sampling_ceiling_scores_heads_against_the_models_own_distribution(periodic_model):
-    """lab.probes.exact_sampling_ceiling: on a periodic model, sampling follows the period, so the heads
+    """lab.ceiling.exact_sampling_ceiling: on a periodic model, sampling follows the period, so the heads
     (trained on it) and the ceiling both commit nearly the whole 4-deep chain each step; heads with
     scrambled residual blocks guess wrong and commit about the root alone, while the ceiling stays."""
     import copy
     from lab import drafters
-    from lab.probes import exact_sampling_ceiling
+    from lab.ceiling import exact_sampling_ceiling
     from conftest import PERIOD
     medusa = drafters.get("medusa")
     device = periodic_model.base.lm_head.weight.device

@@ -1,4 +1,4 @@
-"""Exports to the serving engines' formats (lab/export.py, export.py), checked without an engine.
+"""Exports to the serving engines' formats (lab/formats.py, export.py), checked without an engine.
 
 For every format a drafter exports to, a reader written in this file, importing nothing from the
 project, loads the exported folder the way that format's loader does (its tensor names, its config
@@ -24,10 +24,11 @@ import torch.nn.functional as F
 import export
 import smollm
 from eagle import EagleModel
-from lab import checkpoints, cli, drafters
-from lab import export as lab_export
-from lab.checkpoints import SMOLLM2_BASE, drafter_state
-from lab.trees import Trees, trees_of
+from lab import bases, checkpoints, cli, drafters, runs
+from lab import formats as lab_export
+from lab.checkpoints import BaseInfo, Checkpoint, DrafterInfo, StageRecord
+from lab.pipeline import drafter_state
+from lab.tree_choice import Trees, trees_of
 from medusa_mini import GPT, GPTConfig, MedusaModel
 from verify import speculative_generate
 
@@ -88,6 +89,8 @@ REFUSED = {
     ("eagle", "vllm"): ("builds fc without a bias", "vllm-project/vllm vllm/model_executor/models/llama_eagle.py @ "
                         "e1c4a55214c63e19e83f82ad6c552d82148bae0b: fc = Linear(2 * hidden, hidden, bias=False)"),
 }
+
+SMOLLM2 = bases.get("smollm2")
 
 
 # ---------------------------------------------------------------- the readers (nothing from the project)
@@ -247,10 +250,10 @@ def trees_json(tree):
 
 
 def save_checkpoint(path, model, kind, config, vocab, tree=TREE):
-    """A drafter checkpoint as lab/smollm_pipeline.py writes it (lab.checkpoints.save: the real format)."""
-    checkpoints.save(path, stage={"name": kind, "settings": {}, "parents": {}}, done=True, base=SMOLLM2_BASE,
-                     drafter={"kind": kind, "config": config}, tokenizer={"kind": "smollm2"}, draft_vocab=vocab,
-                     model=drafter_state(model), trees=trees_json(tree))
+    """A drafter checkpoint as a SmolLM2 run writes it (lab.checkpoints.save: the real format)."""
+    checkpoints.save(path, Checkpoint(stage=StageRecord(kind), done=True, base=BaseInfo("smollm2", {"block_size": 384}),
+                                      drafter=DrafterInfo(kind, config), tokenizer={"kind": "smollm2"}, draft_vocab=vocab,
+                                      model=drafter_state(SMOLLM2, model), trees=trees_json(tree)))
 
 
 @pytest.fixture(scope="module")
@@ -282,8 +285,8 @@ def made(tmp_path_factory):
 
 def exported(made, path, fmt, to, dtype="float32"):
     """The checkpoint at `path`, loaded as export.py loads it (on the random base), exported to `to`."""
-    kind = drafters.get(checkpoints.load(path)["drafter"]["kind"])
-    model, ckpt = checkpoints.load_model(path, drafter=kind.name, base_kind="smollm2", base=made["base"])
+    kind = drafters.get(checkpoints.load(path).drafter.kind)
+    model, ckpt = runs.load_model(path, drafter=kind.name, base_kind=SMOLLM2, base=made["base"])
     lab_export.export(kind.name, fmt, kind.exports[fmt], model, ckpt, trees_of(ckpt), str(to), dtype)
     return model
 
@@ -437,7 +440,7 @@ def test_a_format_without_the_drafters_loader_is_refused(made, tmp_path, pair, c
                                           (("eagle", "reference"), "no truncated vocabulary")])
 def test_a_drafting_vocabulary_the_format_cannot_hold_is_refused(made, tmp_path, pair, missing, monkeypatch, capsys):
     drafter, fmt = pair
-    monkeypatch.setattr(checkpoints, "build_base", lambda info, device="cpu": made["base"])
+    monkeypatch.setattr(smollm, "load_smollm2", lambda block_size=None, reader=None: made["base"])
     path = made[("medusa", True, "vocab")] if drafter == "medusa" else made[("eagle", "vocab")]
     to = tmp_path / "to"
     assert cli.finish(export.main, ["--out", str(path.parent), "--drafter", drafter, "--format", fmt,
@@ -451,7 +454,7 @@ def test_the_command_exports_and_refuses_the_users_mistakes(made, tmp_path, monk
     """export.py end to end (the base stood in for by the random one): it writes the folder and prints the
     serve command. A missing checkpoint, a drafter with no format (MTP), a checkpoint of the tiny GPT and
     a folder that holds files without --force are each one `error:` line, and nothing is overwritten."""
-    monkeypatch.setattr(checkpoints, "build_base", lambda info, device="cpu": copy.deepcopy(made["base"]))
+    monkeypatch.setattr(smollm, "load_smollm2", lambda block_size=None, reader=None: copy.deepcopy(made["base"]))
     out = str(made[("eagle", "vocab")].parent)
     to = tmp_path / "eagle-sglang"
     args = ["--out", out, "--drafter", "eagle", "--format", "sglang", "--to", str(to)]
@@ -475,9 +478,10 @@ def test_the_command_exports_and_refuses_the_users_mistakes(made, tmp_path, monk
     gpt_folder = tmp_path / "gpt"
     gpt_folder.mkdir()
     gpt = MedusaModel(GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=1, n_head=2, n_embd=16)), num_heads=2)
-    checkpoints.save(gpt_folder / "medusa.pt", base=checkpoints.gpt_base_entry(gpt.base.config), done=True,
-                     drafter={"kind": "medusa", "config": {"num_heads": 2, "share_lm_head": False}},
-                     model=gpt.state_dict(), trees=trees_json([(0,)]))
+    checkpoints.save(gpt_folder / "medusa.pt", Checkpoint(
+        base=BaseInfo("gpt", gpt.base.config.__dict__.copy()), done=True,
+        drafter=DrafterInfo("medusa", {"num_heads": 2, "share_lm_head": False}), model=gpt.state_dict(),
+        trees=trees_json([(0,)])))
     one_error(["--out", str(gpt_folder), "--drafter", "medusa", "--format", "vllm", "--to", str(tmp_path / "g")], 1,
               "the tiny GPT", "no serving engine")
     assert not (tmp_path / "n").exists() and not (tmp_path / "m").exists() and not (tmp_path / "g").exists()

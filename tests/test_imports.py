@@ -15,7 +15,8 @@ def module_name(path: Path) -> str:
     return ".".join(p for p in rel.parts if p != "__init__")
 
 
-FILES = {module_name(p): p for p in [*ROOT.glob("*.py"), *ROOT.glob("lab/*.py"), *ROOT.glob("kit/*.py")]}
+FILES = {module_name(p): p for p in [*ROOT.glob("*.py"), *ROOT.glob("lab/*.py"), *ROOT.glob("kit/*.py"),
+                                     *ROOT.glob("tools/*.py")]}
 FILES["course"] = ROOT / "notebooks" / "course.py"
 KIT_NAMES = {name.split(".")[-1] for name in FILES if name.startswith("kit.")}  # the kit imports its own by bare name
 
@@ -23,7 +24,7 @@ KIT_NAMES = {name.split(".")[-1] for name in FILES if name.startswith("kit.")}  
 def floor(name: str) -> str:
     if name.startswith("kit.") or name in KIT_NAMES:
         return "kit"
-    if name in COMMANDS:
+    if name in COMMANDS or name.startswith("tools."):
         return "command"
     if name.startswith("lab") or name == "course":
         return "lab"
@@ -61,9 +62,10 @@ def test_the_first_ls_shows_the_core_and_the_everyday_commands():
     """At the root: the core a student reads and the commands a user runs; the lab and the kit below."""
     root = {p.stem for p in ROOT.glob("*.py")}
     assert {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm"} <= root
-    # lab.gpu_check is the maintainers' GPU run (python -m lab.gpu_check), not an everyday command
-    assert COMMANDS == {"train_heads", "benchmark", "sample", "ablation", "export", "kit.grade", "kit.make_assignment",
-                        "lab.gpu_check"}
+    # tools/ holds the maintainers' commands (the GPU run), not everyday ones; the lab holds no command
+    assert {c for c in COMMANDS if "." not in c} == {"train_heads", "benchmark", "sample", "ablation", "export"}
+    assert not {c for c in COMMANDS if c.startswith("lab.")}, "a command lives at the root, in tools/ or in kit/"
+    assert {c for c in COMMANDS if c.startswith("tools.")} == {"tools.gpu_check"}
     assert root == {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm", "train_heads",
                     "benchmark", "sample", "ablation", "export"}, root
     assert not list(ROOT.glob("*.toml")), "the kit's TOML files live in kit/"

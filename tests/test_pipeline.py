@@ -11,7 +11,8 @@ import benchmark
 import sample
 import train_heads
 from conftest import PERIOD, random_medusa
-from lab import checkpoints, drafters, gpt_pipeline, gpu_check, plan, report, timing, train, trees
+from lab import checkpoints, drafters, gpt_stages, plan, report, report_files, timing, train, tree_choice
+from lab.checkpoints import BaseInfo, Checkpoint
 from lab.cli import RunError, UsageError
 from lab.config import PRESETS, gpt_run
 from lab.timing import Mode
@@ -50,9 +51,9 @@ def test_tiny_preset_compares_the_drafters(tiny_run):
         assert summary["greedy_identical"] == 1.0 and summary["greedy"]["tokens_per_step"] >= 1.0
         assert summary["parameters"] > 0 and summary["training"]["seconds"] > 0
     assert any(name.startswith("eagle greedy, dynamic tree") for name in modes)
-    mtp = torch.load(out / "mtp.pt", weights_only=True)
-    assert mtp["base"]["mtp_modules"] == 1 and mtp["drafter"] == {"kind": "mtp", "config": {"depth": 1}}
-    assert any(k.startswith("mtp.0.") for k in mtp["model"])  # the modules, saved with the base they trained with
+    mtp = checkpoints.load(out / "mtp.pt")
+    assert mtp.base.mtp_modules == 1 and (mtp.drafter.kind, mtp.drafter.config) == ("mtp", {"depth": 1})
+    assert any(k.startswith("mtp.0.") for k in mtp.model)  # the modules, saved with the base they trained with
     assert all(r["greedy_identical"] == 1.0 for r in modes.values() if "greedy_identical" in r)
     assert (out / "drafters.png").exists() and len(list(out.glob("*.png"))) >= 3
     text = (out / "report.md").read_text()
@@ -64,7 +65,7 @@ def test_a_tree_is_grown_for_exact_sampling(tiny_run, capsys):
     sampled text (not the greedy ones); the report measures exact sampling on it, and
     sample.py --sampling exact decodes with it."""
     out, report = tiny_run
-    chosen = trees.trees_of(torch.load(out / "medusa.pt", weights_only=True))
+    chosen = tree_choice.trees_of(checkpoints.load(out / "medusa.pt"))
     tree = chosen.sampling_tree
     assert validate_choices(tree) and chosen.sampled_accuracies != chosen.accuracies
     assert f"medusa exact T=0.7, sampling tree ({len(tree)} nodes)" in report["modes"]
@@ -106,9 +107,9 @@ def test_checkpoint_round_trip_and_clear_errors(tmp_path):
     config = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=4)
     path = tmp_path / "ckpt.pt"
     model = GPT(config)
-    checkpoints.save(path, base=checkpoints.gpt_base_entry(config), drafter=None, model=model.state_dict())
+    checkpoints.save(path, Checkpoint(base=BaseInfo("gpt", config.__dict__.copy()), model=model.state_dict()))
     loaded = checkpoints.load(path)
-    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(loaded.model[k], v) for k, v in model.state_dict().items())
     assert not [p for p in tmp_path.iterdir() if p.name != "ckpt.pt"]  # the atomic write left no temp file
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(RunError, match="not a readable medusa-mini checkpoint"):
@@ -132,7 +133,7 @@ def test_head_accuracies_read_the_right_offsets(periodic_model):
     """On the periodic model every head's rank-0 guess is the token k+1 steps later: accuracy ~1 at rank 0."""
     prompts = torch.tensor([PERIOD[:5], PERIOD[3:8]])
     seq = generate(periodic_model.base, prompts, 20)
-    acc = trees.accuracies(drafters.get("medusa"), periodic_model, [(seq, 4, None)], 4, 3)
+    acc = tree_choice.accuracies(drafters.get("medusa"), periodic_model, [(seq, 4, None)], 4, 3)
     assert len(acc) == 4 and all(len(a) == 3 for a in acc)
     assert all(a[0] > 0.95 and a[1] < 0.05 for a in acc)
 
@@ -161,7 +162,7 @@ def test_report_runs_the_other_modes_at_one_thread_count():
     """run_report: the plain modes and the drafter's chosen tree at every thread count, every other mode
     at one (compare picks it); the table shows "-" where a mode did not run."""
     order = dense_tree([2, 2, 1, 1])  # by depth: every prefix is a tree
-    chosen = trees.Trees(order[:2], 1, order, [[0.5]] * 4, {}, order[:1], [[0.5]] * 4, {"grown tree": order[:14]})
+    chosen = tree_choice.Trees(order[:2], 1, order, [[0.5]] * 4, {}, order[:1], [[0.5]] * 4, {"grown tree": order[:14]})
     d = report.Drafted(drafters.get("medusa"), random_medusa(), chosen)
     prompts = [torch.tensor(PERIOD[:6]), torch.tensor(PERIOD[2:8])]
     rep = report.run_report([d], prompts, 6, [1, 2], ops=False, sweep=False, repeats=1)
@@ -172,7 +173,7 @@ def test_report_runs_the_other_modes_at_one_thread_count():
     assert all(ran[name] == [1, 2] if name in every else len(ran[name]) == 1 for name in ran), ran
     assert rep["speedup_1_thread"] > 0 and rep["modes"]["medusa greedy, grown tree (14 nodes)"]["greedy_identical"] == 1
     row = rep["modes"]["medusa greedy, grown tree (14 nodes)"]
-    line = next(line for line in report.format_table(rep).splitlines() if line.startswith("| medusa greedy, grown"))
+    line = next(line for line in report_files.format_table(rep).splitlines() if line.startswith("| medusa greedy, grown"))
     assert line.split(" | ")[2:4] == (["-", f"{row['tokens_per_s']:.0f}*"] if row["threads"] == 2
                                       else [f"{row['tokens_per_s']:.0f}*", "-"])
 
@@ -203,7 +204,7 @@ def test_presets_generate_only_at_trained_positions(preset):
     accuracies, report; the notebooks size their lengths from the context too)."""
     run = train_heads.parse_args(["--preset", preset, "--device", "cpu"])
     assert "block_size" not in PRESETS[preset]  # block_size = seq_len, set in one place
-    for stage, length in gpt_pipeline.generation_lengths(run).items():
+    for stage, length in gpt_stages.generation_lengths(run).items():
         assert length <= run.seq_len, (preset, stage, length)
     with pytest.raises(UsageError, match="past the"):  # refused up front
         train_heads.parse_args(["--preset", preset, "--device", "cpu", "--report-tokens", str(run.seq_len)])
@@ -213,7 +214,7 @@ def test_later_positions_are_no_worse(tiny_run):
     """Every position is trained: on held-out windows, the loss over the second half of the
     positions does not exceed the first half's (it has more context)."""
     out, _ = tiny_run
-    first, second = torch.load(out / "base.pt", weights_only=True)["metrics"]["val_loss_halves"]
+    first, second = checkpoints.load(out / "base.pt").metrics["val_loss_halves"]
     assert second <= first
 
 
@@ -252,8 +253,9 @@ def test_generation_estimate_covers_the_kv_cache():
 
 
 def test_the_gpu_check_runs_each_check_on_the_device_asked(tmp_path):
-    """lab/gpu_check.py: the core exactness tests, the preset's training (float32) and a bf16 report of the
+    """tools/gpu_check.py: the core exactness tests, the preset's training (float32) and a bf16 report of the
     same run, each on the device asked; the commands are ones their own parsers take (here on the CPU)."""
+    gpu_check = pytest.importorskip("tools.gpu_check")
     commands = dict(gpu_check.steps("cuda", "gpu", str(tmp_path), python="python"))
     assert list(commands) == ["tests", "train", "bf16"]
     assert "--device=cuda" in commands["tests"] and all(os.path.exists(os.path.join(gpu_check.ROOT, f))

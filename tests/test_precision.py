@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import random_medusa
-from lab import devices
-from lab.probes import true_joint
+from lab import bases, devices, dtypes, packing
+from lab.distribution import true_joint
 from medusa_mini import generate, medusa_generate
 from test_decoding import N_DRAWS, SEEDS, TREE_2, V_SMALL, assert_follows, skewed_eagle, skewed_model, skewed_mtp
 from tree import build_tree_buffers
@@ -34,11 +34,11 @@ def test_auto_picks_from_the_cpus_features(monkeypatch, flags, base, expected):
     """--dtype auto on a CPU: bf16 for SmolLM2 where the CPU has bf16 instructions (AMX or AVX512-BF16),
     float32 without them and for the tiny GPT; the feature probe stubbed, the reason names what it found."""
     monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
-    dtype, why = devices.decoding_dtype("auto", "cpu", base)
+    dtype, why = dtypes.decoding_dtype("auto", "cpu", bases.get(base))
     assert dtype == expected and why.startswith("auto: ")
     if expected == BF16:
         assert ("AMX" if "amx_bf16" in flags else "AVX512-BF16") in why
-    assert devices.decoding_dtype("bfloat16", "cpu", base) == (BF16, "--dtype bfloat16")  # asked: no probe
+    assert dtypes.decoding_dtype("bfloat16", "cpu", bases.get(base)) == (BF16, "--dtype bfloat16")  # asked: no probe
 
 
 @pytest.mark.parametrize("flags, base, expected", [({"amx_bf16"}, "smollm2", BF16), ({"avx512_bf16"}, "smollm2", BF16),
@@ -47,9 +47,9 @@ def test_drafting_follows_the_decoding_rule(monkeypatch, flags, base, expected):
     """draft_cheaply: a drafter drafts in bf16 on a CPU where --dtype auto would decode its base in bf16 (SmolLM2
     with bf16 instructions), in the model's own dtype elsewhere (the tiny GPT; a CPU without them; a GPU)."""
     monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
-    assert devices.draft_cheaply(random_medusa(), "cpu", base).draft_dtype == expected
+    assert dtypes.draft_cheaply(random_medusa(), "cpu", bases.get(base)).draft_dtype == expected
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert devices.draft_cheaply(random_medusa(), torch.device("meta"), base).draft_dtype is None
+    assert dtypes.draft_cheaply(random_medusa(), torch.device("meta"), bases.get(base)).draft_dtype is None
 
 
 @pytest.mark.parametrize("bf16, expected", [(True, BF16), (False, torch.float32)])
@@ -57,15 +57,15 @@ def test_auto_on_a_gpu_stand_in(monkeypatch, bf16, expected):
     """A CUDA stand-in: SmolLM2 decodes in bf16 on bf16 tensor cores, in float32 on a GPU without them (a T4);
     the tiny GPT in float32 either way."""
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
-    assert devices.decoding_dtype("auto", "cuda", "smollm2")[0] == expected
-    assert devices.decoding_dtype("auto", "cuda", "gpt")[0] == torch.float32
+    assert dtypes.decoding_dtype("auto", "cuda", bases.get("smollm2"))[0] == expected
+    assert dtypes.decoding_dtype("auto", "cuda", bases.get("gpt"))[0] == torch.float32
 
 
 def test_a_decoding_copy_leaves_the_trained_model_as_it_is():
     model = random_medusa()
-    low = devices.decoding_copy(model, BF16)
+    low = dtypes.decoding_copy(model, BF16)
     assert low.base.lm_head.weight.dtype == BF16 and low.heads[0].residual.weight.dtype == BF16
-    assert model.base.lm_head.weight.dtype == torch.float32 and devices.decoding_copy(model, torch.float32) is model
+    assert model.base.lm_head.weight.dtype == torch.float32 and dtypes.decoding_copy(model, torch.float32) is model
 
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
@@ -75,10 +75,10 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
     greedy text equal those of the same copy left unpacked (measured: equal bit for bit)."""
     from feature_drafter import feature_generate
     trained = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
-    packed, plain = devices.decoding_copy(trained, BF16), copy.deepcopy(trained).to(BF16)
-    if devices.packs_bf16(packed.base.lm_head.weight):
-        assert any(isinstance(m, devices.PackedLinear) for m in packed.modules())
-    assert not any(isinstance(m, devices.PackedLinear) for m in plain.modules())
+    packed, plain = dtypes.decoding_copy(trained, BF16), copy.deepcopy(trained).to(BF16)
+    if packing.packs_bf16(packed.base.lm_head.weight):
+        assert any(isinstance(m, packing.PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, packing.PackedLinear) for m in plain.modules())
     b = build_tree_buffers([(0,), (1,), (0, 0)], "cpu")
 
     def tree_logits(base):  # a 4-node tree over 3 cached tokens: (N, V)
@@ -98,15 +98,15 @@ def test_packing_happens_only_where_bf16_is_native(monkeypatch):
     one given a new weight packs that one."""
     model = random_medusa()
     native = devices.cpu_has_native_bf16() and torch.backends.mkldnn.is_available()
-    assert devices.decoding_copy(model, torch.float32) is model
+    assert dtypes.decoding_copy(model, torch.float32) is model
     monkeypatch.setattr(devices, "cpu_flags", lambda: set())
-    assert not any(isinstance(m, devices.PackedLinear) for m in devices.decoding_copy(model, BF16).modules())
+    assert not any(isinstance(m, packing.PackedLinear) for m in dtypes.decoding_copy(model, BF16).modules())
     if not native:
         pytest.skip("packing needs a CPU with bf16 instructions and a torch built with oneDNN")
     monkeypatch.undo()
-    low = devices.decoding_copy(model, BF16)
+    low = dtypes.decoding_copy(model, BF16)
     layer = low.base.lm_head
-    assert isinstance(layer, devices.PackedLinear) and layer.weight is low.base.wte.weight  # still tied
+    assert isinstance(layer, packing.PackedLinear) and layer.weight is low.base.wte.weight  # still tied
     x = torch.randn(3, layer.weight.size(1))
     back = copy.deepcopy(layer).float()
     assert torch.equal(back(x), torch.nn.functional.linear(x, back.weight))
@@ -121,7 +121,7 @@ def test_bf16_tree_logits_equal_per_path_logits_within_its_spacing(prefix):
     """In bf16, the logits at every tree node equal a plain causal forward of its own path within SPACINGS
     of bf16's spacing at the largest logit (in float32 they are equal to 1e-5: tests/test_model.py)."""
     torch.manual_seed(prefix)
-    model = devices.decoding_copy(random_medusa(), BF16).base  # as decoding runs it: packed where bf16 is native
+    model = dtypes.decoding_copy(random_medusa(), BF16).base  # as decoding runs it: packed where bf16 is native
     choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
     b = build_tree_buffers(choices, "cpu")
     tokens = torch.randint(0, 32, (len(b.node_paths),))
@@ -144,7 +144,7 @@ def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
     equals plain bf16 greedy up to its first difference, and there plain's top-2 margin is below the
     tolerance above (a near-tie that rounding may flip); identical to the end on most prompts (measured:
     10 of 10 on this model)."""
-    model = devices.decoding_copy(random_medusa(seed=3, block_size=80), BF16)
+    model = dtypes.decoding_copy(random_medusa(seed=3, block_size=80), BF16)
     tree = [(0,), (1,), (0, 0), (0, 0, 0)]
     identical = 0
     for seed in range(10):
@@ -166,11 +166,11 @@ def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
 def test_exact_sampling_in_bf16_draws_what_plain_bf16_sampling_draws(drafter):
-    """The same identity in bfloat16 (lab/devices.decoding_copy): the walk's conditionals are the bf16 model's,
+    """The same identity in bfloat16 (lab/dtypes.decoding_copy): the walk's conditionals are the bf16 model's,
     softmax on float32 logits, so with the same seed it writes plain bf16 sampling's text."""
     from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
-    from lab.devices import decoding_copy
+    from lab.dtypes import decoding_copy
     model = decoding_copy({"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter](), torch.bfloat16)
     prompt = torch.tensor([[1, 2]])
     decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate}[drafter]
@@ -185,7 +185,7 @@ def test_exact_sampling_in_bf16_draws_what_plain_bf16_sampling_draws(drafter):
 
 def test_exact_sampling_in_bf16_matches_the_bf16_models_joint_distribution():
     """The chi-square family of the float32 test, in bfloat16, against the bf16 model's own joint."""
-    from lab.devices import decoding_copy
+    from lab.dtypes import decoding_copy
     torch.manual_seed(1)
     model = decoding_copy(skewed_model(), torch.bfloat16)
     prompt = torch.tensor([[1, 2]])
@@ -204,7 +204,7 @@ def test_the_agreement_with_float32_counts_tokens_to_the_first_difference():
     from lab import report
     from lab.timing import Mode
     model = random_medusa()
-    low = devices.decoding_copy(model, BF16)
+    low = dtypes.decoding_copy(model, BF16)
     prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     ref = [[7, 8, 9, 10], [11, 12, 13, 14]]
     outputs = {report.REFERENCE: ref, "plain greedy": [[7, 8, 0, 0], [11, 12, 13, 14]],

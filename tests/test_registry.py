@@ -13,11 +13,12 @@ import torch
 import torch.nn as nn
 
 import sample
-from lab import checkpoints, data, drafters, report, trees
+from lab import checkpoints, data, drafters, report, runs, tree_choice
+from lab.checkpoints import BaseInfo, Checkpoint, DrafterInfo
 from lab.drafters import DrafterKind
 from medusa_mini import GPT, GPTConfig, generate
 from tree import build_tree_buffers, gather_paths, tree_cuts
-from verify import Draft, Drafter, check_request, speculative_generate
+from verify import Draft, Drafter, speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {"medusa", "eagle", "mtp"}
@@ -25,20 +26,21 @@ NAMES = {"medusa", "eagle", "mtp"}
 
 # ---------------------------------------------------------------- nothing branches on a name
 
-def name_dispatch(tree) -> list[str]:
-    """Where a parsed file compares a value with a drafter's name, keys a dict literal by one, or matches one."""
+def name_dispatch(tree, names=NAMES) -> list[str]:
+    """Where a parsed file compares a value with one of `names` (a drafter's, by default), keys a dict literal by
+    one, or matches one."""
     def names_in(node):
-        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in NAMES]
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             found += [f"line {node.lineno}: {ast.unparse(node)}" for _ in names_in(node)[:1]]
         elif isinstance(node, ast.Dict):
             found += [f"line {node.lineno}: a dict keyed by {k.value!r}" for k in node.keys
-                      if isinstance(k, ast.Constant) and k.value in NAMES]
+                      if isinstance(k, ast.Constant) and k.value in names]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("startswith", "endswith") and any(
-                    isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split(" ")[0] in NAMES
+                    isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split(" ")[0] in names
                     for a in node.args):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.match_case) and names_in(node.pattern):
@@ -112,7 +114,6 @@ class RepeatDrafter(Drafter):
 @torch.no_grad()
 def repeat_generate(model, idx, max_new_tokens, tree, temperature=0.0, sampling="typical", posterior_threshold=0.09,
                     posterior_alpha=0.3, stop_tokens=None, stream=None):
-    check_request(model.base, idx, max_new_tokens, temperature, sampling)
     return speculative_generate(model.base, RepeatDrafter(model, tree, idx.device), idx, max_new_tokens,
                                 temperature, sampling, posterior_threshold, posterior_alpha, stop_tokens, stream)
 
@@ -151,12 +152,11 @@ def repeat_run(tmp_path):
     config = GPTConfig(vocab_size=300, block_size=64, n_layer=2, n_head=2, n_embd=32)
     model = RepeatModel(GPT(config)).eval()
     order = chain(3)
-    chosen = trees.Trees(order, 1, order, [[0.5]] * 3, {1: {"plain_step_ms": 1.0, "step_ms": {3: 1.0},
-                                                            "relative": {3: 1.0}}})
-    checkpoints.save(tmp_path / "repeat.pt", base=checkpoints.gpt_base_entry(config), drafter={"kind": "repeat",
-                     "config": {}}, done=True, model=model.state_dict(),
-                     tokenizer=checkpoints.tokenizer_entry(tmp_path / "bpe300.tiktoken"),
-                     trees={"float32": chosen.to_json()})
+    chosen = tree_choice.Trees(order, 1, order, [[0.5]] * 3, {1: {"plain_step_ms": 1.0, "step_ms": {3: 1.0},
+                                                                  "relative": {3: 1.0}}})
+    checkpoints.save(tmp_path / "repeat.pt", Checkpoint(
+        base=BaseInfo("gpt", config.__dict__.copy()), drafter=DrafterInfo("repeat"), done=True, model=model.state_dict(),
+        tokenizer=checkpoints.tokenizer_entry(tmp_path / "bpe300.tiktoken"), trees={"float32": chosen.to_json()}))
     return tmp_path, model, chosen
 
 
@@ -177,7 +177,7 @@ def test_a_fourth_drafter_runs_through_sample(registered, repeat_run, capsys):
     sample.main(["--out", str(folder), "--drafter", "repeat", "--prompt", "to be", "--tokens", "16", "--compare"])
     printed = capsys.readouterr().out
     assert "repeat: 16 tokens in" in printed and "(identical output)" in printed, printed
-    loaded, _ = checkpoints.load_model(folder / "repeat.pt", drafter="repeat")
+    loaded, _ = runs.load_model(folder / "repeat.pt", drafter="repeat")
     idx = torch.tensor([[5, 6, 7]])
     out, _ = repeat_generate(loaded, idx, 20, chain(3))
     assert torch.equal(out, generate(model.base, idx, 20))

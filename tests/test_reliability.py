@@ -18,7 +18,8 @@ import torch
 import benchmark
 import sample
 import train_heads
-from lab import checkpoints, cli, folder, gpt_pipeline, train
+from lab import checkpoints, cli, folder, gpt_stages, train, train_drafters
+from lab.checkpoints import Checkpoint
 from lab.cli import RunError, UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def interrupt_at(monkeypatch, stage_name, step, signum=signal.SIGINT):
             return loss_fn(s)
         return real(name, params, with_signal, *args, **kwargs)
     monkeypatch.setattr(train, "train_loop", loop)
-    for module in (gpt_pipeline, __import__("lab.stages", fromlist=["x"])):
+    for module in (gpt_stages, train_drafters):
         monkeypatch.setattr(module, "train_loop", loop)
 
 
@@ -118,7 +119,7 @@ def test_free_settings_reuse_and_retrain_trains_the_stage_again(run_copy, capsys
                               "--retrain", "medusa"])
     after = snapshot(run_copy)
     assert after["base.pt"] == before["base.pt"] and after["distill.pt"] == before["distill.pt"]
-    assert checkpoints.load(run_copy / "medusa.pt")["stage"]["settings"]["head_steps"] == 21
+    assert checkpoints.load(run_copy / "medusa.pt").stage.settings["head_steps"] == 21
 
 
 # ---------------------------------------------------------------- 2. interrupted work survives, exactly
@@ -132,15 +133,15 @@ def test_an_interrupted_stage_is_refused_without_resume_and_resumes_exactly(fini
         train_heads.main(FLAGS + ["--out", str(out)])
     assert e.value.code == 130
     partial = checkpoints.load(out / "medusa.pt")
-    assert partial["done"] is False and partial["step"] == 8
+    assert partial.done is False and partial.step == 8
     monkeypatch.undo()
     with pytest.raises(RunError, match=r"medusa.pt is an unfinished medusa stage \(interrupted at step 8\): pass --resume"):
         train_heads.main(FLAGS + ["--out", str(out)])
     train_heads.main(FLAGS + ["--out", str(out), "--resume"])
     resumed, straight = checkpoints.load(out / "medusa.pt"), checkpoints.load(finished / "medusa.pt")
-    assert resumed["done"] and resumed["model"].keys() == straight["model"].keys()
-    for name, tensor in straight["model"].items():
-        assert torch.equal(resumed["model"][name], tensor), f"{name}: resuming changed the weights"
+    assert resumed.done and resumed.model.keys() == straight.model.keys()
+    for name, tensor in straight.model.items():
+        assert torch.equal(resumed.model[name], tensor), f"{name}: resuming changed the weights"
 
 
 def test_medusa2_interrupted_keeps_the_medusa1_heads_and_resumes(run_copy, monkeypatch):
@@ -148,25 +149,25 @@ def test_medusa2_interrupted_keeps_the_medusa1_heads_and_resumes(run_copy, monke
     with pytest.raises(SystemExit):
         train_heads.main(FLAGS + ["--out", str(run_copy), "--joint", "--joint-steps", "6", "--retrain", "medusa"])
     medusa1 = checkpoints.load(run_copy / "medusa1.pt")
-    assert medusa1["done"] and not checkpoints.load(run_copy / "medusa.pt")["done"]
+    assert medusa1.done and not checkpoints.load(run_copy / "medusa.pt").done
     before = checkpoints.digest(run_copy / "medusa1.pt")
     monkeypatch.undo()
     train_heads.main(FLAGS + ["--out", str(run_copy), "--joint", "--joint-steps", "6", "--resume"])
-    assert checkpoints.load(run_copy / "medusa.pt")["done"]
+    assert checkpoints.load(run_copy / "medusa.pt").done
     assert checkpoints.digest(run_copy / "medusa1.pt") == before, "resuming Medusa-2 rewrote the Medusa-1 heads"
 
 
 def test_ctrl_c_outside_a_training_loop_is_one_line(monkeypatch, tmp_path, capsys):
     def interrupted(run):
         raise KeyboardInterrupt
-    monkeypatch.setattr(gpt_pipeline, "prepare_data", interrupted)
+    monkeypatch.setattr(gpt_stages, "prepare_data", interrupted)
     assert cli.finish(train_heads.main, FLAGS + ["--out", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
 
 
 def test_a_diverged_base_is_not_saved_as_finished(finished, monkeypatch, tmp_path):
     out = fresh(finished, tmp_path / "run")
-    monkeypatch.setattr(gpt_pipeline, "estimate_loss", lambda *a, **k: float("nan"))
+    monkeypatch.setattr(gpt_stages, "estimate_loss", lambda *a, **k: float("nan"))
     with pytest.raises(RunError, match="training diverged"):
         train_heads.main(FLAGS + ["--out", str(out), "--base-steps", "5"])
     assert not (out / "base.pt").exists()
@@ -206,7 +207,7 @@ def test_a_full_disk_is_one_line_and_the_old_file_stays(run_copy, monkeypatch):
     before = (run_copy / "base.pt").read_bytes()
     monkeypatch.setattr(folder.os, "fsync", full)
     with pytest.raises(RunError, match="cannot write .*base.pt: no space left on the device"):
-        checkpoints.save(run_copy / "base.pt", base={}, model={})
+        checkpoints.save(run_copy / "base.pt", Checkpoint(model={}))
     assert (run_copy / "base.pt").read_bytes() == before
     assert not [p for p in run_copy.iterdir() if p.name.endswith(folder.TMP_SUFFIX)]
     with pytest.raises(RunError, match="no space left"):  # found before minutes of measuring

@@ -193,10 +193,10 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
     """distill() keeps the hidden states generate() computed: h[i, t] is the state at position t of
     prompt + answer, equal to a fresh forward over it, and y[i, t] the greedy token at t+1, cut after
     <|im_end|>; equal-length prompts share a batch."""
-    from lab import chat_prompts, smollm_pipeline
+    from lab import chat_prompts, smollm_stages
     model, enc, _ = smol
     prompts = ["What is the moon?", "What is a bee?", "Explain gravity to a ten-year-old."]
-    h, y, start = smollm_pipeline.distill(model, enc, prompts, n_new=6)
+    h, y, start = smollm_stages.distill(model, enc, prompts, n_new=6)
     for i, prompt in enumerate(prompts):
         ids = smollm.chat_tokens(enc, prompt)
         assert start[i] == len(ids) - 1
@@ -210,7 +210,7 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
 
 def test_passage_prompts_have_the_asked_length(smol):
     """Passage prompts are cut to one token length, so that distillation batches them together."""
-    from lab import chat_prompts, smollm_pipeline
+    from lab import chat_prompts, smollm_stages
     _, enc, _ = smol
     text = data.load_plays()["macbeth"][:3000]
     for task in chat_prompts.TASKS:
@@ -221,7 +221,7 @@ def test_passage_prompts_have_the_asked_length(smol):
 def test_held_out_prompts_do_not_depend_on_the_training_prompts(smol):
     """The held-out prompts are drawn first: more or fewer training prompts leave them unchanged (the
     trees are grown from their answers and the report decodes them), and none of them is a training prompt."""
-    from lab import chat_prompts, smollm_pipeline
+    from lab import chat_prompts, smollm_stages
     _, enc, _ = smol
     train_a, held_a = chat_prompts.instruction_prompts(enc, shakespeare=6, general=10, held_out=6)
     train_b, held_b = chat_prompts.instruction_prompts(enc, shakespeare=12, general=4, held_out=6)
@@ -232,12 +232,14 @@ def test_held_out_prompts_do_not_depend_on_the_training_prompts(smol):
 
 
 def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
-    """lab.checkpoints.load_model rebuilds what run() saves: the heads and the drafting vocabulary. Heads
+    """lab.runs.load_model rebuilds what a run saves: the heads and the drafting vocabulary. Heads
     of another model, a drafter of another kind or for another base, a file of an earlier layout, and
     a corrupt file are each refused in one line that says what to run."""
     from conftest import tiny_config
-    from lab.checkpoints import SMOLLM2_BASE, load_model, save
+    from lab import bases
+    from lab.checkpoints import BaseInfo, Checkpoint, DrafterInfo, save
     from lab.cli import RunError
+    from lab.runs import load_model
     from medusa_mini import GPT
     model, _, _ = smol
     torch.manual_seed(0)
@@ -247,24 +249,25 @@ def test_saved_drafters_load_back_and_bad_ones_are_refused(smol, tmp_path):
             head.residual.weight.normal_(0, 0.02)
     vocab = torch.tensor([5, 17, 300])
     path = tmp_path / "medusa.pt"
-    drafter = {"kind": "medusa", "config": {"num_heads": 2, "share_lm_head": True}}
-    save(path, base=SMOLLM2_BASE, drafter=drafter, done=True, draft_vocab=vocab,
-         model={"heads." + k: v for k, v in medusa.heads.state_dict().items()})
-    loaded, _ = load_model(path, drafter="medusa", base_kind="smollm2", base=model)
+    drafter, smollm2 = DrafterInfo("medusa", {"num_heads": 2, "share_lm_head": True}), bases.get("smollm2")
+    save(path, Checkpoint(base=BaseInfo("smollm2", {"block_size": 384}), drafter=drafter, done=True, draft_vocab=vocab,
+                          model={"heads." + k: v for k, v in medusa.heads.state_dict().items()}))
+    loaded, _ = load_model(path, drafter="medusa", base_kind=smollm2, base=model)
     for (name, saved), restored in zip(medusa.heads.state_dict().items(), loaded.heads.state_dict().values()):
         assert torch.equal(saved, restored), name
     assert torch.equal(loaded.draft_vocab, vocab)
     with pytest.raises(RunError, match="holds the medusa drafter, not eagle: run `python train_heads.py --base smollm2 --drafters eagle`"):
-        load_model(path, drafter="eagle", base_kind="smollm2", base=model)
+        load_model(path, drafter="eagle", base_kind=smollm2, base=model)
     with pytest.raises(RunError, match="holds a drafter for SmolLM2, not the tiny GPT: run `python train_heads.py"):
-        load_model(path, drafter="medusa", base_kind="gpt", base=model)
+        load_model(path, drafter="medusa", base_kind=bases.get("gpt"), base=model)
     gpt_heads = MedusaModel(GPT(tiny_config()), num_heads=2).heads.state_dict()
-    save(path, base=SMOLLM2_BASE, drafter=drafter, done=True, model={"heads." + k: v for k, v in gpt_heads.items()})
+    save(path, Checkpoint(base=BaseInfo("smollm2", {"block_size": 384}), drafter=drafter, done=True,
+                          model={"heads." + k: v for k, v in gpt_heads.items()}))
     with pytest.raises(RunError, match="does not hold a medusa-mini medusa model"):
-        load_model(path, base_kind="smollm2", base=model)
+        load_model(path, base_kind=smollm2, base=model)
     torch.save({"heads": gpt_heads, "num_heads": 2}, path)  # a layout before drafters were named
     with pytest.raises(RunError, match="not a medusa-mini checkpoint.*run `python train_heads.py --base smollm2"):
-        load_model(path, drafter="medusa", base_kind="smollm2", base=model)
+        load_model(path, drafter="medusa", base_kind=smollm2, base=model)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(RunError, match="not a readable medusa-mini checkpoint"):
-        load_model(path, base_kind="smollm2", base=model)
+        load_model(path, base_kind=smollm2, base=model)

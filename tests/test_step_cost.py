@@ -15,7 +15,7 @@ import torch
 
 from conftest import random_medusa
 from lab import drafters
-from lab.probes import OpCounter, count_ops
+from lab.ops import OpCounter, count_ops
 from tree import dense_tree
 
 TREE = dense_tree([2, 2, 1, 1])  # 2 + 4 + 4 + 4 = 14 nodes, depth 4

@@ -4,8 +4,10 @@ measured cost of a step (lab/timing.step_costs). Exact sampling accepts a node o
 token is its token, so its tree is grown from accuracies on sampled text (wider, shallower), sized with
 the same step costs.
 
-The trees are chosen per decoding dtype (a step's cost depends on it) and kept in the drafter's
-checkpoint under trees[dtype]; a checkpoint without the dtype asked for falls back to its float32 trees.
+The trees are chosen per decoding dtype (a step's cost depends on it) for the machine they were timed on,
+and kept in the drafter's checkpoint under trees[dtype]: a rerun decodes with them and chooses again only
+for another machine or dtype, or when asked (lab/pipeline.py). A checkpoint without the dtype asked for
+decodes with its float32 trees.
 """
 import dataclasses
 from dataclasses import dataclass, field
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from feature_drafter import DynamicTree, as_tree
-from lab import timing
-from lab.devices import dtype_name
+from lab import checkpoints, timing
+from lab.cli import RunError
+from lab.devices import machine
+from lab.dtypes import dtype_name
 from tree import expected_tokens_per_step, grow_tree
 
 SAMPLE_T = 0.7  # the temperature the sampling tree is grown for, as in the report
@@ -52,38 +56,47 @@ class Trees:
     sampling_tree: list | None = None   # for exact sampling, grown from accuracies on sampled text
     sampled_accuracies: list | None = None
     extra: dict = field(default_factory=dict)  # more trees the report times: label -> tree
+    machine: str = ""             # the machine the step costs were timed on (lab/devices.machine)
 
     def to_json(self):
         return {"tree": tree_json(self.tree), "threads": self.threads, "order": tree_json(self.order),
                 "accuracies": self.accuracies, "costs": self.costs,
                 "sampling_tree": None if self.sampling_tree is None else tree_json(self.sampling_tree),
                 "sampled_accuracies": self.sampled_accuracies,
-                "extra": {label: tree_json(t) for label, t in self.extra.items()}}
+                "extra": {label: tree_json(t) for label, t in self.extra.items()}, "machine": self.machine}
 
     @classmethod
-    def from_json(cls, d):
-        return cls(as_tree(d["tree"]), d["threads"], as_tree(d["order"]), d["accuracies"],
-                   {int(t): c for t, c in d["costs"].items()},
-                   None if d["sampling_tree"] is None else as_tree(d["sampling_tree"]), d["sampled_accuracies"],
-                   {label: as_tree(t) for label, t in d["extra"].items()})
+    def from_json(cls, d, where="a checkpoint"):
+        """Trees from what to_json wrote; one line (RunError) if it is not that."""
+        try:
+            return cls(as_tree(d["tree"]), int(d["threads"]), as_tree(d["order"]), d["accuracies"],
+                       {int(t): c for t, c in d["costs"].items()},
+                       None if d["sampling_tree"] is None else as_tree(d["sampling_tree"]), d["sampled_accuracies"],
+                       {label: as_tree(t) for label, t in d["extra"].items()}, d.get("machine", ""))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RunError(f"{where} holds trees this code cannot read ({type(e).__name__}: {e}): run train_heads.py "
+                           f"with --retree to choose them again") from None
 
 
-def trees_of(ckpt, dtype="float32") -> Trees:
+def trees_of(ckpt, dtype="float32", where="a checkpoint") -> Trees:
     """A drafter checkpoint's trees for decoding in `dtype`, else its float32 ones, else those it has (a
-    tree chosen for another dtype still decodes exactly; only its size was chosen for other costs)."""
-    trees = ckpt.get("trees") or {}
+    tree chosen for another dtype still decodes exactly; only its size was chosen for other costs).
+    A KeyError when it has none."""
+    trees = ckpt.trees
     if not trees:
         raise KeyError("no trees")
-    return Trees.from_json(trees.get(dtype_name(dtype)) or trees.get("float32") or next(iter(trees.values())))
+    return Trees.from_json(trees.get(dtype_name(dtype)) or trees.get("float32") or next(iter(trees.values())), where)
+
+
+def kept(ckpt, dtype) -> Trees | None:
+    """The trees a checkpoint keeps for decoding in exactly `dtype`, or None."""
+    found = ckpt.trees.get(dtype_name(dtype))
+    return None if found is None else Trees.from_json(found)
 
 
 def keep(path, chosen: Trees, dtype="float32"):
     """Write a drafter's trees for decoding in `dtype` into its checkpoint, beside those of other dtypes."""
-    from lab import checkpoints
-    ckpt = checkpoints.load(path)
-    ckpt.pop("format")
-    ckpt["trees"] = {**(ckpt.get("trees") or {}), dtype_name(dtype): chosen.to_json()}
-    checkpoints.save(path, **ckpt)
+    checkpoints.keep_trees(path, dtype_name(dtype), chosen.to_json())
 
 
 def accuracies(kind, model, texts, depth, ranks, vocab=None):
@@ -120,7 +133,8 @@ def choose(kind, model, run, greedy_texts, sampled_texts, prompt, device, max_tr
           f"(expected {expected_tokens_per_step(chosen, greedy):.2f} tokens/step at "
           f"{costs[best]['relative'][len(chosen)]:.2f}x the cost of a plain step); top-1 by depth "
           + " ".join(f"{a[0]:.2f}" for a in greedy))
-    trees = Trees(chosen, best, order, greedy, costs, extra=kind.extra_trees(model, order, chosen, run))
+    trees = Trees(chosen, best, order, greedy, costs, extra=kind.extra_trees(model, order, chosen, run),
+                  machine=machine(device))
     if sampled_texts:
         sampled = accuracies(kind, model, sampled_texts, depth, ranks, vocab)
         trees.sampling_tree, _ = choose_tree(grow_tree(sampled, max_tree), sampled, costs)

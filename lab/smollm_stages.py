@@ -1,6 +1,7 @@
-"""Drafters for SmolLM2-135M-Instruct, self-distilled on its own chat answers (`python train_heads.py --base smollm2`).
+"""SmolLM2-135M-Instruct's own stages, before its drafters (lab/pipeline.py runs them all for
+`python train_heads.py --base smollm2`): the drafters are self-distilled on its own chat answers.
 
-Stages, each printing what it measured:
+Stages, each printing what it measured (1 and 2 here; 3 to 5 are the pipeline's, for both bases):
   1. prompts   a few thousand offline instructions (lab/chat_prompts.py), with plays and topics held out.
   2. distill   the model's own greedy answers, 128 prompts at a time, each ending at its stop token; the
                hidden states decoding computed on the way are kept (the backbone is frozen, so they are
@@ -25,18 +26,20 @@ import torch
 from tqdm import tqdm
 
 import smollm
-from lab import checkpoints, drafters, folder, report, timing, trees
+from kv_cache import KVCache
+from lab import checkpoints, tree_choice
 from lab.chat_prompts import instruction_prompts, same_length_batches
-from lab.checkpoints import SMOLLM2_BASE, drafter_state, record
-from lab.config import as_dict, settings_for
-from lab.devices import DTYPES, decoding_copy, draft_cheaply, native_bf16, sync
-from lab.train import step_generator, stream_seed, to_device
+from lab.checkpoints import BaseInfo
+from lab.config import SmolRun, as_dict, settings_for
+from lab.devices import native_bf16, sync
+from lab.stage import Prepared, Stage, StageRecord
 from lab.timing import Mode
+from lab.train import step_generator, to_device
+from lab.train_drafters import TrainingData
 from medusa_mini import generate
-from verify import KVCache
 
 ANSWER_TOKENS = 96   # tokens generated per distillation prompt (answers end sooner at <|im_end|>: 70 on average)
-BLOCK_SIZE = SMOLLM2_BASE["block_size"]  # the KV cache's length
+BLOCK_SIZE = 384     # the KV cache's length: chat prompts of under 200 tokens and their answers
 BATCH = 8            # answers per training step
 COST_SIZES, COST_REPEATS, COST_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32), 2, 32  # the step costs trees are sized from
 
@@ -90,12 +93,15 @@ def texts(h, y, start):
     return out
 
 
-def stored_batches(h, y, seed, device):
-    """batches(step) -> (h, y) for lab/stages.py: random distilled answers, moved to the drafter's device."""
-    def batches(step):
-        rows = torch.randint(0, len(h), (BATCH,), generator=step_generator(seed, step))
-        return to_device(h[rows], device), to_device(y[rows], device)
-    return batches
+def stored_batches(h, y, device):
+    """batches(seed) -> batches(step) -> (h, y) (lab/train_drafters.py): random distilled answers, moved to the
+    drafter's device."""
+    def seeded(seed):
+        def batches(step):
+            rows = torch.randint(0, len(h), (BATCH,), generator=step_generator(seed, step))
+            return to_device(h[rows], device), to_device(y[rows], device)
+        return batches
+    return seeded
 
 
 # ---------------------------------------------------------------------------------------- 5. measure
@@ -138,7 +144,7 @@ def feature_precision(kind, model, base, enc, held_out, held, vocab, depth):
         n = int((y[row] >= 0).sum())
         seq = torch.cat([firsts[row:row + 1], y[row, :n - 1]]).to(base.lm_head.weight.device)  # the text, 0..n-1
         h_low[row, :n] = low.hidden(seq[None])[0].to(h.dtype).cpu()
-    return [[a[0] for a in trees.accuracies(kind, model, texts(f, y, start), depth, 1, vocab)] for f in (h, h_low)]
+    return [[a[0] for a in tree_choice.accuracies(kind, model, texts(f, y, start), depth, 1, vocab)] for f in (h, h_low)]
 
 
 def peer_modes(device):
@@ -153,29 +159,47 @@ def peer_modes(device):
             "transformers prompt lookup": Mode(peers.transformers_prompt_lookup, model=hf)}
 
 
-# ---------------------------------------------------------------------------------------- all stages
+# ---------------------------------------------------------------------------------------- for the pipeline
 
-def retrained(run) -> set:
-    named = set(run.retrain)
-    return named | set(run.drafters) if named & {"base", "distill"} else named
-
-
-def run(run):
-    """Every stage (a SmolRun: train_heads.py --base smollm2); writes OUT/NAME.pt per drafter (the drafter
-    only: the base comes from the wheel), the distillation cache, report.json and report.md."""
-    with folder.locked(run.out):
-        return _run(run)
+def chat_prompts(enc, held_out, count):
+    """count of the held-out instructions, spread over the list, as chat prompts (1-D token ids)."""
+    return [torch.tensor(smollm.chat_tokens(enc, p)) for p in held_out[::max(1, len(held_out) // count)]][:count]
 
 
-def _run(run):
-    device, t_start = torch.device(run.device), time.time()
-    base_settings = settings_for(run, {"base"})
-    checkpoints.preflight(run.out, {"distill.pt": record("distill", base_settings, {}),
-                                    **{f"{n}.pt": record(n, drafter_settings(drafters.get(n), run), {})
-                                       for n in run.drafters}}, retrained(run))
-    if run.threads:
-        torch.set_num_threads(run.threads)
-    torch.manual_seed(run.seed)
+def held_out_prompts(run, enc, count, seed=5):
+    """(count held-out chat prompts of a finished run, as its report decodes them; decoding's keyword arguments:
+    an answer stops at its end). The held-out instructions are a fixed list: seed does not change them."""
+    _, held_out = instruction_prompts(enc, run.seed)
+    return [p.to(run.device) for p in chat_prompts(enc, held_out, count)], {"stop_tokens": smollm.stop_tokens(enc)}
+
+
+def preset_of(run) -> str:
+    return "smollm2"
+
+
+def sample_text(enc, prompt, result) -> str:
+    return enc.decode(result["sample"])
+
+
+def make_run(given, out, kind):
+    """The SmolRun train_heads.py's flags ask for; its runs go to a folder of their own in --out (OUT/smollm2/)."""
+    return SmolRun(out=os.path.join(out, kind.folder), **given)
+
+
+def upstream(run, distilled):
+    """What a drafter's stage rests on: (the settings of the stages it is made from, their files)."""
+    return settings_for(run, {"base"}), ["distill.pt"]
+
+
+def plan_stages(run, kinds) -> dict:
+    """{file name: StageRecord (parents aside)} of the base's own stages this run would write: the distillation."""
+    return {"distill.pt": StageRecord("distill", settings_for(run, {"base"}))}
+
+
+def prepare(run, kind, kinds) -> Prepared:
+    """The base from its wheel, the prompts and the model's own answers to them (reused where they can be), and
+    what the drafters' stages, their trees and the report need of this base."""
+    device = torch.device(run.device)
     fast = native_bf16(device)  # bf16 products are native here: a bf16 copy writes the training text
     reader = smollm.read_gguf()
     base, enc = smollm.load_smollm2(BLOCK_SIZE, reader).to(device), smollm.load_tokenizer(reader)
@@ -186,12 +210,13 @@ def _run(run):
 
     # 2. distill: the prompts' digest is a parent, so that other prompts (code changed since) are distilled anew
     prompts_digest = hashlib.sha256("\0".join(train_prompts + ["--"] + held_out).encode()).hexdigest()
-    stage = record("distill", base_settings, {"gguf": checkpoints.digest(smollm.gguf_path()), "prompts": prompts_digest})
-    path, t0 = os.path.join(run.out, "distill.pt"), time.time()
-    saved = checkpoints.check_stage(path, stage, run.resume, "distill" in retrained(run), device)
-    if saved is not None:
-        train, held, held_sampled = saved["train"], saved["held_out"], saved["held_out_sampled"]
-        print(f"distill: reusing {path}")
+    info = BaseInfo(kind.name, {"block_size": BLOCK_SIZE})
+    stage = Stage(run, "distill.pt", "distill", settings_for(run, {"base"}),
+                  {"gguf": checkpoints.digest(smollm.gguf_path()), "prompts": prompts_digest}, {"base": info})
+    t0 = time.time()
+    if stage.finished is not None:
+        train, held, held_sampled = stage.finished.train, stage.finished.held_out, stage.finished.held_out_sampled
+        print(f"distill: reusing {stage.path}")
     else:
         # Training data only, so a bf16 copy may write it (faster where bf16 is native); the held-out
         # answers, which the trees are grown from, come from the model that decodes.
@@ -199,84 +224,48 @@ def _run(run):
         train = distill(writer, enc, train_prompts)
         del writer
         held = distill(base, enc, held_out)
-        held_sampled = trees.sampled(lambda: distill(base, enc, held_out, temperature=trees.SAMPLE_T), run.seed + 6)
-        checkpoints.save(path, stage=stage, done=True, base=SMOLLM2_BASE, drafter=None, train=train, held_out=held,
-                         held_out_sampled=held_sampled)
+        held_sampled = tree_choice.sampled(lambda: distill(base, enc, held_out, temperature=tree_choice.SAMPLE_T),
+                                           run.seed + 6)
+        stage.save(True, train=train, held_out=held, held_out_sampled=held_sampled)
         print(f"distill: {len(train_prompts)} answers of the model's own ({train[0].dtype}), "
               f"{int((train[1] >= 0).sum()):,} positions with hidden states, in {time.time() - t0:.0f}s")
     h, y, _ = train
     vocab = y[y >= 0].unique()  # (V',): the tokens the answers use; the drafters are trained and draft over them
-
     stops = smollm.stop_tokens(enc)
-    prompts = [torch.tensor(smollm.chat_tokens(enc, p), device=device)
-               for p in held_out[::max(1, len(held_out) // run.report_prompts)]][:run.report_prompts]
-    drafted, precision, dtype = [], {}, DTYPES[run.dtype]
-    for name in run.drafters:
-        kind = drafters.get(name)
-        trained, metrics = train_drafter(kind, run, base, h, y, vocab, device)
-        model = draft_cheaply(decoding_copy(trained, dtype), device, "smollm2")  # decoding in run.dtype
-        model.draft_vocab = vocab.to(device)
-        chosen = trees.choose(kind, model, run, texts(*held), texts(*held_sampled), prompts[0], device, 64, 10,
-                              vocab.to(device), sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS,
-                              threads=run.threads)
-        trees.keep(os.path.join(run.out, f"{name}.pt"), chosen, run.dtype)
-        drafted.append(report.Drafted(kind, model, chosen, {"seconds": metrics["seconds"],
-                                                            "parameters": report.parameters(model)}))
-        if fast and dtype == torch.float32:  # trained on a bf16 copy's features, drafting from fp32 ones: does it cost?
-            precision[name] = dict(zip(("fp32", "bf16"), feature_precision(kind, model, base, enc, held_out, held,
-                                                                           vocab.to(device), kind.depth(model, run))))
-            print(f"{name}: held-out top-1 by depth fed the fp32 features decoding reads " +
-                  " ".join(f"{a:.3f}" for a in precision[name]["fp32"]) + "; fed a bf16 copy's (as in training) " +
-                  " ".join(f"{a:.3f}" for a in precision[name]["bf16"]))
-    threads = best_threads(drafted[0].trees.costs) if run.threads is None else [run.threads]
-    result = report.run_report(drafted, prompts, run.report_tokens, threads, {"stop_tokens": stops},
-                               peer_modes(device), ops=False, sweep=False, repeats=1,
-                               reference=None if dtype == torch.float32 else base)
-    curves = {run.dtype: forward_costs(drafted[0].model.base)}  # the decoding dtype's, and float32's beside it
-    if dtype != torch.float32:
-        curves["float32"] = forward_costs(base)
-    result.update(model="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", device=str(device), dtype=run.dtype,
-                  forward_ms=curves[run.dtype], forward_ms_by_dtype=curves, draft_vocab=len(vocab),
-                  total_seconds=time.time() - t_start, preset="smollm2", feature_precision=precision,
-                  sample=enc.decode(result["sample"]), plain_step_ms=drafted[0].trees.costs[threads[-1]]["plain_step_ms"])
-    report.write_report(result, run.out)
-    for name, curve in curves.items():
-        print(f"one forward on a 100-token cache, {name}: " + ", ".join(f"{n} tokens {ms:.0f} ms ({ms / curve[1]:.2f}x)"
-                                                                       for n, ms in curve.items()))
-    print(f"total {time.time() - t_start:.0f}s; drafters and report in {run.out}/")
-    return result
+    prompts = [p.to(device) for p in chat_prompts(enc, held_out, run.report_prompts)]
 
+    def report_options(drafted):
+        threads = best_threads(drafted[0].trees.costs) if run.threads is None else [run.threads]
+        return dict(threads=threads, decode_kwargs={"stop_tokens": stops}, peers=peer_modes(device), ops=False,
+                    sweep=False, repeats=1)
 
-def drafter_settings(kind, run):
-    return {**settings_for(run, {"base"}), **{f: getattr(run, f) for f in kind.settings if hasattr(run, f)}}
+    def finish(result, drafted, training):
+        precision = {}
+        for d in drafted:  # trained on a bf16 copy's features, drafting from fp32 ones: does it cost?
+            if fast and d.model.base.lm_head.weight.dtype == torch.float32:
+                precision[d.name] = dict(zip(("fp32", "bf16"), feature_precision(
+                    d.kind, d.model, base, enc, held_out, held, vocab.to(device), d.kind.depth(d.model, run))))
+                print(f"{d.name}: held-out top-1 by depth fed the fp32 features decoding reads " +
+                      " ".join(f"{a:.3f}" for a in precision[d.name]["fp32"]) + "; fed a bf16 copy's (as in training) "
+                      + " ".join(f"{a:.3f}" for a in precision[d.name]["bf16"]))
+        dtype = drafted[0].model.base.lm_head.weight.dtype
+        name = str(dtype).removeprefix("torch.")
+        curves = {name: forward_costs(drafted[0].model.base)}  # the decoding dtype's, and float32's beside it
+        if dtype != torch.float32:
+            curves["float32"] = forward_costs(base)
+        for label, curve in curves.items():
+            print(f"one forward on a 100-token cache, {label}: " + ", ".join(f"{n} tokens {ms:.0f} ms "
+                                                                            f"({ms / curve[1]:.2f}x)" for n, ms in curve.items()))
+        threads = result["threads"]
+        result.update(model="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)", device=str(device), dtype=name,
+                      forward_ms=curves[name], forward_ms_by_dtype=curves, draft_vocab=len(vocab), preset="smollm2",
+                      feature_precision=precision, sample=enc.decode(result["sample"]), training=training,
+                      plain_step_ms=drafted[0].trees.costs[threads[-1]]["plain_step_ms"])
+        return result
 
-
-def train_drafter(kind, run, base, h, y, vocab, device):
-    """One drafter trained on the distillation (or reused from OUT/NAME.pt when it was trained for the
-    same settings from the same distillation). Returns (model, training metrics)."""
-    path = os.path.join(run.out, f"{kind.name}.pt")
-    asked = record(kind.name, drafter_settings(kind, run), checkpoints.parents_of(run.out, ["distill.pt"]))
-    model = kind.model(base, **kind.config(run)).eval()
-    ckpt = checkpoints.check_stage(path, asked, run.resume, kind.name in retrained(run), device)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"], strict=False)
-        if ckpt.get("done"):
-            print(f"{kind.name}: reusing {path}")
-            return model, ckpt["metrics"]
-    common = dict(stage=asked, base=SMOLLM2_BASE, drafter={"kind": kind.name, "config": kind.config(run)},
-                  tokenizer={"kind": "smollm2"}, draft_vocab=vocab, run=as_dict(run))
-
-    def save(step, opt, history, done):
-        checkpoints.save(path, done=done, model=drafter_state(model), step=step, optimizer=opt.state_dict(),
-                         history=history, **common)
-        if not done:
-            print(f"saved {path}; run again with --resume to continue")
-
-    t0 = time.time()
-    with torch.enable_grad():
-        history = kind.train(model, stored_batches(h, y, stream_seed(run.seed, kind.name), device), run, save,
-                             ckpt, vocab.to(device))
-    metrics = {"history": history, "seconds": time.time() - t0}
-    checkpoints.save(path, done=True, model=drafter_state(model), metrics=metrics, **common)
-    print(f"{kind.name}: trained in {metrics['seconds']:.0f}s")
-    return model.eval(), metrics
+    return Prepared(
+        base=base, enc=enc, common={"base": info, "tokenizer": {"kind": "smollm2"}, "run": as_dict(run)},
+        data=TrainingData(stored_batches(h, y, device), vocab=vocab.to(device)),
+        texts=lambda model: (texts(*held), texts(*held_sampled)), step_prompt=prompts[0], report_prompts=prompts,
+        tree_options=dict(max_tree=64, ranks=10, sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS),
+        report_options=report_options, finish=finish)
