@@ -185,13 +185,37 @@ def save_bpe(ranks: dict[bytes, int], path: str) -> None:
     write_atomically(path, lambda f: f.write(lines.encode("ascii")))
 
 
+def check_bpe(raw: bytes):
+    """A ValueError unless `raw` is a BPE file as save_bpe writes it: "base64(token) rank" lines, ranks 0..n-1 in
+    order, every single byte a token (tiktoken itself would fail on an empty or cut file, some ways by panicking)."""
+    lines = raw.decode("ascii", errors="replace").splitlines()
+    tokens = set()
+    for rank, line in enumerate(lines):
+        parts = line.split(" ")
+        if len(parts) != 2 or parts[1] != str(rank):
+            raise ValueError(f"line {rank + 1} is not 'token rank' with rank {rank}")
+        try:
+            tokens.add(base64.b64decode(parts[0], validate=True))
+        except ValueError:
+            raise ValueError(f"line {rank + 1} holds no base64 token") from None
+    missing = 256 - len({t for t in tokens if len(t) == 1})
+    if missing:
+        raise ValueError(f"{missing} of the 256 single bytes are not tokens" + (" (the file is empty)" if not lines else ""))
+
+
 def load_bpe(path: str, name="shakespeare-bpe", pattern=GPT2_PATTERN):
-    """The Encoding saved by save_bpe; encodes exactly like make_encoding(ranks) did."""
-    digest = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
+    """The Encoding saved by save_bpe; encodes exactly like make_encoding(ranks) did. A ValueError, saying what
+    is wrong, for a file that is not one save_bpe wrote (empty, cut short, edited)."""
+    raw = pathlib.Path(path).read_bytes()
+    check_bpe(raw)
+    digest = hashlib.sha256(raw).hexdigest()
     # tiktoken caches files by path in a temp dir and, without a hash, serves that copy
     # even after the file was retrained; with the hash it rereads a changed file.
     ranks = tiktoken.load.load_tiktoken_bpe(path, expected_hash=digest)
     return make_encoding(ranks, name, pattern)
+
+
+GPT2_VOCAB = 50257  # tokens in tiktoken's GPT-2 encoding
 
 
 def get_gpt2_encoding():

@@ -91,7 +91,9 @@ def remove_orphans(out):
 @contextlib.contextmanager
 def locked(out, command="a run"):
     """Hold the folder's lock (out/.lock) while the block runs; a second run in the folder refuses.
-    The system releases the lock when the process ends, however it ends."""
+    The system releases the lock when the process ends, however it ends. A folder made for a run that
+    then stopped (refused, failed) having written nothing is removed again."""
+    made = not os.path.isdir(out)
     check_writable(out)
     f = open(os.path.join(out, ".lock"), "a+")
     try:
@@ -107,6 +109,12 @@ def locked(out, command="a run"):
                            f"finish, or use another --out") from None
         remove_orphans(out)
         yield
+    except BaseException:
+        if made and os.listdir(out) == [".lock"]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, ".lock"))
+                os.rmdir(out)
+        raise
     finally:
         f.close()
 

@@ -24,7 +24,7 @@ from lab.checkpoints import BaseInfo
 from lab.cli import RunError, UsageError
 from lab.config import as_dict, gpt_run, settings_for
 from lab.timing import timed
-from lab.stage import Prepared, Stage, StageRecord
+from lab.stage import Prepared, Stage, StageRecord, retrained
 from lab.train import autocast, corpus_batch, rows_batch, step_generator, stream_seed, train_loop, windows
 from lab.train_drafters import TrainingData
 from medusa_mini import GPT, GPTConfig, generate
@@ -152,9 +152,19 @@ def prepare_data(run):
             data.save_bpe(ranks, path)
             folder.write_json(key, source)
             print(f"trained a {run.vocab_size}-token BPE in {time.time() - t0:.1f}s -> {path}")
-        enc = data.load_bpe(path)
+        try:
+            enc = data.load_bpe(path)
+        except ValueError as e:
+            raise RunError(f"{path} is damaged ({e}): delete it and {key} (the run trains it again), or use "
+                           f"another --out") from None
         entry = checkpoints.tokenizer_entry(path)
         parents = {os.path.basename(path): entry["sha256"]}
+        base = os.path.join(run.out, "base.pt")
+        if os.path.exists(base) and "base" not in retrained(run):  # before the token caches are written anew
+            held = (checkpoints.load(base).stage or StageRecord("base")).parents.get(os.path.basename(path))
+            if held is not None and held != entry["sha256"]:
+                raise RunError(f"{path} is not the tokenizer {base} was trained with (its digest differs): put the "
+                               f"run's own file back, or --retrain base, or use another --out")
     train_ids = data.encode_cached(enc, train_text, os.path.join(run.out, "train_ids.npy"))
     val_ids = data.encode_cached(enc, val_text, os.path.join(run.out, "val_ids.npy"))
     if min(len(train_ids), len(val_ids)) <= run.seq_len + 1:
@@ -345,10 +355,11 @@ def prepare(run, kind, kinds) -> Prepared:
     device = run.device
     print(f"medusa-mini: preset {run.preset} on {device} ({torch.get_num_threads()} CPU threads), "
           f"drafters {', '.join(run.drafters)}, out {run.out}/")
+    planned = GPTConfig(vocab_size=run.vocab_size if run.tokenizer == "bpe" else data.GPT2_VOCAB,
+                        block_size=run.seq_len, n_layer=run.n_layer, n_head=run.n_head, n_embd=run.n_embd)
+    plan.print_plan(run, planned, device)  # before anything is written: a run that cannot fit or finish is refused
     enc, tokenizer, parents, train_ids, val_ids = prepare_data(run)
-    config = GPTConfig(vocab_size=enc.n_vocab, block_size=run.seq_len, n_layer=run.n_layer,  # every position trained
-                       n_head=run.n_head, n_embd=run.n_embd)
-    plan.print_plan(run, config, device)
+    config = dataclasses.replace(planned, vocab_size=enc.n_vocab)  # every position trained: block_size = seq_len
     common = {"tokenizer": tokenizer, "run": run_record(run)}
     torch.manual_seed(run.seed)
     base, base_metrics, base_model = stage_base(run, config, common, parents, train_ids, val_ids, kind.name)

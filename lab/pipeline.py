@@ -92,9 +92,9 @@ def trees_for(kind, model, run, prep, path, dtype) -> tree_choice.Trees:
     elsewhere or --retree asks; else chosen now (and kept). Says which."""
     kept = tree_choice.kept(checkpoints.load(path), dtype)
     machine = tree_choice.machine(run.device)
-    if kept is not None and kept.machine == machine and not run.retree:
-        print(f"{kind.name} tree: keeping the one chosen for this machine in {dtype} "
-              f"({tree_choice.tree_label(kept.tree)}; {machine}); --retree chooses again")
+    if kept is not None and kept.machine in (machine, "") and not run.retree:  # "": kept before machines were noted
+        print(f"{kind.name} tree: keeping the one chosen for {'this machine' if kept.machine else 'it earlier'} in "
+              f"{dtype} ({tree_choice.tree_label(kept.tree)}; {machine}); --retree chooses again")
         return kept
     why = ("--retree" if kept is not None and run.retree else "none chosen yet" if kept is None
            else f"the kept one was chosen on another machine ({kept.machine})")

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lab import drafters, report, timing
+from lab.cli import UsageError
 from lab.dtypes import dtype_name
 from lab.train import autocast, training_dtype
 from medusa_mini import GPT, GPTConfig, generate
@@ -133,11 +134,38 @@ def measure_steps(config: GPTConfig, run, device):
     return train_step, decode / n
 
 
+def available_bytes(device) -> int | None:
+    """Memory a run can use: a GPU's free memory, or the CPU's available memory (Linux: /proc/meminfo); None
+    where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+LONGEST = 7 * 24 * 3600  # a run estimated to take longer than a week is refused: it would not finish
+
+
 def print_plan(run, config, device):
-    """Device, dtype, and the estimated peak memory and time of each stage, before any training."""
+    """Device, dtype, and the estimated peak memory and time of each stage, before any training. A run whose
+    estimated peak does not fit in the memory at hand, or that would take more than a week, is refused in one
+    line (UsageError) before anything is measured or trained."""
     dtype = training_dtype(device)
+    memory = estimate_memory(config, run, dtype)
+    have = available_bytes(device)
+    stage, peak = max(memory.items(), key=lambda kv: kv[1])
+    if have is not None and peak > have:
+        raise UsageError(f"--batch-size {run.batch_size} --seq-len {run.seq_len}: the {stage} stage would need about "
+                         f"{peak / 2**30:.1f} GiB, and {device} has {have / 2**30:.1f} GiB free: ask for less")
     step, decode = measure_steps(config, run, device)
-    memory, seconds = estimate_memory(config, run, dtype), estimate_seconds(config, run, step, decode)
+    seconds = estimate_seconds(config, run, step, decode)
+    if sum(seconds.values()) > LONGEST:
+        raise UsageError(f"this run would take about {sum(seconds.values()) / 86400:.0f} days by the plan's estimate "
+                         f"(its base alone {seconds['base'] / 86400:.1f} days): ask for fewer steps")
     print(f"plan: {device}, training in {dtype_name(dtype)}; one base step measured at {step:.2f}s; "
           f"memory and other times estimated from parameter and activation counts (lab/plan.py)")
     for stage in seconds:

@@ -8,6 +8,7 @@ Before a run writes anything, preflight() checks every stage it will reuse, so t
 changed nothing.
 """
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,9 @@ from lab.checkpoints import Checkpoint, StageRecord
 from lab.cli import RunError
 from lab.config import defaults, flag_of
 from lab.train_drafters import TrainingData
+
+
+RESCUE = os.path.join(tempfile.gettempdir(), "medusa-mini-rescue")  # where weights go when their folder is full
 
 
 def retrained(run) -> set:
@@ -101,8 +105,23 @@ class Stage:
         return self.ckpt if self.ckpt is not None and not self.ckpt.done else None
 
     def save(self, done, **fields):
-        """Write the stage's checkpoint: done (finished, or resumable) and the fields of this save."""
-        checkpoints.save(self.path, Checkpoint(stage=self.asked, done=done, **{**self.common, **fields}))
+        """Write the stage's checkpoint: done (finished, or resumable) and the fields of this save. Where it cannot
+        be written (a full disk, no permission), the weights are kept where they can be (RESCUE), and the one
+        line says where, and what to do with them."""
+        ckpt = Checkpoint(stage=self.asked, done=done, **{**self.common, **fields})
+        try:
+            checkpoints.save(self.path, ckpt)
+        except RunError as e:
+            rescue = os.path.join(RESCUE, os.path.basename(self.path))
+            try:
+                os.makedirs(RESCUE, exist_ok=True)
+                checkpoints.save(rescue, ckpt)
+            except (RunError, OSError):
+                raise RunError(f"{e}, and nowhere else had room either: free some space and run again (this stage "
+                               f"trains again)") from None
+            raise RunError(f"{e}; the stage's weights are kept in {rescue}: free some space, move that file to "
+                           f"{self.path} and run again ({'it is reused' if done else 'with --resume to continue'})"
+                           ) from None
         if not done:
             print(f"saved {self.path}; run again with --resume to continue")
 

@@ -75,6 +75,16 @@ def periodic_batch(batch, length, generator):
     return torch.stack([seq[(s + torch.arange(length + 1)) % len(PERIOD)] for s in starts])
 
 
+CORE = {"test_model.py", "test_tree.py", "test_decoding.py", "test_eagle.py", "test_mtp.py", "test_step_cost.py",
+        "test_imports.py", "test_house.py"}  # python -m pytest -m core: what to run after each edit of the core
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in CORE:
+            item.add_marker(pytest.mark.core)
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", help="device for the core exactness tests: cpu, cuda or mps")
 

@@ -284,3 +284,114 @@ def test_broken_pipes_end_quietly_and_a_full_output_is_one_line(finished):
 def test_bad_values_are_one_line_naming_the_flag(main, argv, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         main(argv)
+
+
+# ---------------------------------------------------------------- 8. what the fourth pass found (issue of 2026-12-05)
+
+def test_a_checkpoint_whose_fields_are_the_wrong_shape_is_one_line_naming_it(run_copy):
+    """A checkpoint is read through its schema: a base that is a string, a model that is not tensors, a step that
+    is text are each one line naming the file, in every command that reads it."""
+    path = run_copy / "medusa.pt"
+    good = torch.load(path, weights_only=True)
+    for field, value in (("base", "gpt"), ("model", {"heads.0.residual.weight": "x"}), ("step", "seven"),
+                         ("drafter", {"kind": 3}), ("trees", [1, 2])):
+        torch.save({**good, field: value}, path)
+        for main in (sample.main, benchmark.main):
+            with pytest.raises(RunError, match=f"{path}.*{field}"):
+                main(["--out", str(run_copy)] + (["--tokens", "4"] if main is sample.main else ["--threads", "1"]))
+
+
+def test_benchmark_refuses_more_tokens_than_the_context_holds(finished):
+    with pytest.raises(UsageError, match=r"--tokens 8192: .* do not fit in the model's context of 128 tokens"):
+        benchmark.main(["--out", str(finished), "--prompts", "1", "--tokens", "8192", "--threads", "1"])
+
+
+@pytest.mark.parametrize("damage", ["empty", "cut"])
+def test_a_damaged_tokenizer_is_one_line_and_nothing_is_written(run_copy, damage):
+    bpe = run_copy / "bpe320.tiktoken"
+    bpe.write_bytes(b"" if damage == "empty" else bpe.read_bytes()[:300])
+    before = snapshot(run_copy)
+    with pytest.raises(RunError, match="bpe320.tiktoken is damaged"):
+        train_heads.main(FLAGS + ["--out", str(run_copy), *BOTH])
+    assert snapshot(run_copy) == before
+
+
+def test_another_valid_tokenizer_is_refused_before_the_token_caches_are_written(run_copy, tmp_path):
+    """A BPE trained on other text is a valid file but not the run's: refused before anything is re-encoded."""
+    from lab import data
+    data.save_bpe(data.train_bpe(data.load_plays()["hamlet"][:200_000], 320), str(run_copy / "bpe320.tiktoken"))
+    before = snapshot(run_copy)
+    with pytest.raises(RunError, match="is not the tokenizer .*base.pt was trained with"):
+        train_heads.main(FLAGS + ["--out", str(run_copy), *BOTH])
+    assert snapshot(run_copy) == before
+
+
+def test_what_cannot_fit_or_finish_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "new"
+    with pytest.raises(UsageError, match=r"--batch-size 4096 --seq-len 8192: the \w+ stage would need about"):
+        train_heads.main(["--preset", "tiny", "--batch-size", "4096", "--seq-len", "8192", "--out", str(out)])
+    with pytest.raises(UsageError, match="would take about .* days"):
+        train_heads.main(["--preset", "tiny", "--base-steps", str(10**7), "--head-steps", str(10**7), "--out", str(out)])
+    with pytest.raises(UsageError, match="--base-steps: 1000000000000 must be from 1 to"):
+        train_heads.main(["--preset", "tiny", "--base-steps", str(10**12), "--out", str(out)])
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_a_rerun_keeps_the_trees_unless_asked(run_copy, capsys):
+    """The trees a drafter was given for this machine and dtype are kept by a rerun with other free settings (other
+    threads, report sizes); --retree chooses them again."""
+    trees = {n: checkpoints.load(run_copy / n).trees for n in ("medusa.pt", "eagle.pt")}
+    train_heads.main(FLAGS + ["--out", str(run_copy), *BOTH, "--report-tokens", "6"])
+    printed = capsys.readouterr().out
+    assert "medusa tree: keeping the one chosen for this machine" in printed and "choosing" not in printed
+    assert {n: checkpoints.load(run_copy / n).trees for n in trees} == trees
+    train_heads.main(FLAGS + ["--out", str(run_copy), *BOTH, "--report-tokens", "6", "--retree"])
+    assert "medusa tree: choosing for" in capsys.readouterr().out
+
+
+def test_an_interrupted_ablation_resumes(run_copy, monkeypatch):
+    """ablation.py stopped during its own training leaves a resumable checkpoint; its rerun says --resume, which it
+    takes, and finishes."""
+    import ablation
+    interrupt_at(monkeypatch, "heads", 3)
+    with pytest.raises(SystemExit):
+        ablation.main(["--out", str(run_copy), "--threads", "1"])
+    monkeypatch.undo()
+    with pytest.raises(RunError, match="pass --resume"):
+        ablation.main(["--out", str(run_copy), "--threads", "1"])
+    ablation.main(["--out", str(run_copy), "--threads", "1", "--resume"])
+    assert checkpoints.load(run_copy / "shared" / "medusa.pt").done
+
+
+def test_a_flag_that_would_do_nothing_is_refused():
+    with pytest.raises(UsageError, match="--retrain eagle: eagle is not among --drafters medusa"):
+        train_heads.parse_args(["--preset", "tiny", "--drafters", "medusa", "--retrain", "eagle"])
+
+
+def test_sigterm_outside_a_training_loop_is_ctrl_c(monkeypatch, tmp_path, capsys):
+    def terminated(run):
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(gpt_stages, "prepare_data", terminated)
+    assert cli.finish(train_heads.main, FLAGS + ["--out", str(tmp_path)]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_a_stage_that_cannot_be_saved_keeps_its_weights_elsewhere(tmp_path, monkeypatch, finished):
+    """A full disk when a stage has trained: one line saying where its weights are, which the rerun reuses."""
+    from lab import stage
+    out = fresh(finished, tmp_path / "run")
+    monkeypatch.setattr(stage, "RESCUE", str(tmp_path / "rescue"))
+    real = checkpoints.save
+
+    def full(path, ckpt):
+        if str(path) == str(out / "base.pt") and ckpt.done:
+            raise RunError(f"cannot write {path}: no space left on the device")
+        return real(path, ckpt)
+    monkeypatch.setattr(checkpoints, "save", full)
+    with pytest.raises(RunError, match=r"base.pt: no space left on the device; the stage's weights are kept in "
+                                       r".*rescue/base.pt: free some space, move that file to"):
+        train_heads.main(FLAGS + ["--out", str(out)])
+    monkeypatch.undo()
+    os.replace(tmp_path / "rescue" / "base.pt", out / "base.pt")
+    train_heads.main(FLAGS + ["--out", str(out), "--head-steps", "5"])
+    assert checkpoints.load(out / "base.pt").done
