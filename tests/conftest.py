@@ -4,10 +4,6 @@ Tests run on one thread: on a 2-core machine two torch threads beside another bu
 slower than one. A model that takes seconds to train is trained once per process (functools.cache)
 and each test gets its own copy. `python -m pytest --device cuda` (or mps) runs the core exactness
 tests on that device: they take the `device` fixture. Everything else stays on the CPU.
-
-The graded test files (kit/assignments.toml lists their tests) are the course's autograder: a test you
-add to one of them that reaches a function an assignment stubs must be listed under that assignment.
-kit/tests/README.md says how, and kit/tests/ checks it.
 """
 import copy
 import functools
@@ -43,8 +39,8 @@ def trained_once(build):
 
 
 def tiny_run_folder():
-    """out/tiny/, the tiny preset's run that the notebooks (in fast mode), the command tests and the kit's
-    copies use (lab/runs.tiny_run): trained once, if it is not there yet (a file lock keeps two
+    """out/tiny/, the tiny preset's run that the notebooks (in fast mode) and the command tests
+    use (lab/runs.tiny_run): trained once, if it is not there yet (a file lock keeps two
     test processes from training it twice)."""
     from lab import runs
     return runs.tiny_run()
