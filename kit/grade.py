@@ -6,7 +6,8 @@
     python kit/grade.py --json out.json    # the results, for an autograder
     python kit/grade.py --mutants          # instructors: plant known bugs, check that the tests catch each one
 
-Which tests grade which assignment is written in kit/assignments.toml. Correctness and efficiency are
+Which tests grade which assignment: in a copy, its kit/assignments.toml lists them; in the project, the
+kit learns it by running the graded files once (kit/reach.py, cached in out/kit/). Correctness and efficiency are
 graded apart: an assignment passes ("correct: yes", exit status 0) when every correctness test
 passes; its efficiency tests (ops and host reads per step) are run and reported on their own line,
 against the reference's figures and the bounds, and never fail it. Private tests (files in
@@ -23,10 +24,8 @@ import sys
 import textwrap
 import tomllib
 
-from grading import (MAPPING, MUTANTS, UsageError, check_mutants, grade, hint, load_mapping,  # noqa: E402
-                     load_mutants)
-from lab import folder  # noqa: E402
-from lab.cli import RunError  # noqa: E402
+from grading import (MAPPING, MUTANTS, RunError, UsageError, check_mutants, check_writable, grade, hint,  # noqa: E402
+                     load_assignments, load_mapping, load_mutants, write_json)
 
 def print_row(status: str, r: dict, note: str = ""):
     print(f"  {status}  {r['passed']:>2}/{r['cases']:<2}  {r['test']}{note}")
@@ -114,7 +113,7 @@ def main(argv=None):
         if json_path and not os.path.isdir(os.path.dirname(json_path)):
             raise UsageError(f"--json {args.json}: no directory {os.path.dirname(json_path)}")
         if json_path:
-            folder.check_writable(os.path.dirname(json_path))  # before grading, not after
+            check_writable(os.path.dirname(json_path))  # before grading, not after
         if args.hint is not None and not args.hint.strip():
             raise UsageError("--hint: give a function's name, e.g. --hint evaluate_posterior")
         if importlib.util.find_spec("torch") is None:
@@ -124,15 +123,16 @@ def main(argv=None):
             mapping = load_mapping()
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise UsageError(f"cannot read {MAPPING}: {e}") from None
-        assignments = mapping["assignment"]
         if args.hint is not None:
-            print(hint(assignments, args.hint), end="")
+            print(hint(mapping["assignment"], args.hint), end="")
             return 0
+        assignments = mapping["assignment"]
         unknown = [n for n in args.numbers if n not in assignments]
         if unknown:
             raise UsageError(f"no assignment {', '.join(unknown)} in {MAPPING}: choose from {', '.join(assignments)}")
         default = [str(mapping["default"])] if "default" in mapping else list(assignments)
         numbers = args.numbers or (list(assignments) if args.mutants else default)
+        assignments = load_assignments(mapping, note=lambda line: print(line, file=sys.stderr))
         data = load_mutants(assignments) if args.mutants else None
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -153,7 +153,7 @@ def main(argv=None):
             print(f"\n{sum(r['passed'] for r in results)}/{len(results)} assignments pass")
     if json_path:
         try:
-            folder.write_json(json_path, dict(passed=passed, **out), indent=1)
+            write_json(json_path, dict(passed=passed, **out), indent=1)
         except RunError as e:  # the disk filled while grading: the scores above stand
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -5,11 +5,15 @@ see docs/instructors.md and kit/tests/README.md.
 
 An assignment is graded for correctness (its `tests`: it passes when they all pass) and, apart,
 for efficiency (its `efficiency` tests: what a step costs, measured and reported, never failed).
-A stub is one line, `raise NotImplementedError("assignment N: name: nudge")` (lab/stubs.py reads it).
+In the project, both lists come from running the graded files (kit/reach.py: the tests that reach the
+assignment's functions); a copy's kit/assignments.toml has them written in (make_assignment.py).
+A stub is one line, `raise NotImplementedError("assignment N: name: nudge")` (kit/stubs.py reads it).
+The kit imports nothing from the lab but in make_assignment.copy_trained_runs.
 """
 import ast
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -26,11 +30,41 @@ ROOT = os.path.dirname(KIT)  # the project: the kit is one folder down
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import stubs  # noqa: E402  (the kit reads a copy's stubs itself; the lab never uses the kit)
-from lab.cli import UsageError  # noqa: E402  (a mistake of the person running a command: one line, exit 2)
+import reach  # noqa: E402  (the kit's own modules, imported by bare name: the kit's folder is on sys.path)
+import stubs  # noqa: E402
 
 MAPPING = "kit/assignments.toml"
 MUTANTS = "kit/mutants.toml"  # instructors only: never copied into a student version
+
+
+class UsageError(Exception):
+    """A mistake of the person running a kit command: one line, `error: ...`, exit status 2."""
+
+
+class RunError(Exception):
+    """A kit command that cannot go on, for a reason its user can act on: one line, exit status 1."""
+
+
+def check_writable(folder):
+    """Try a write in `folder` before long work: a read-only or full one is one line now (RunError)."""
+    probe = os.path.join(folder, ".writable")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok\n")
+        os.remove(probe)
+    except OSError as e:
+        raise RunError(f"cannot write in {folder}: {(e.strerror or str(e)).lower()}") from None
+
+
+def write_json(path, data, **kwargs):
+    """Atomically (a reader never sees half a file); a RunError, one line, when the disk refuses."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, **kwargs)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RunError(f"cannot write {path}: {(e.strerror or str(e)).lower()}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,6 +138,45 @@ def load_mapping(path=os.path.join(ROOT, MAPPING)) -> dict:
         return tomllib.load(f)
 
 
+def compress(nodeids: list[str], every: list[str]) -> list[str]:
+    """Node ids as a test list says them: a test's name where all its cases (of `every`) are there, else
+    the cases, in the order of `nodeids`."""
+    cases = {}
+    for nodeid in every:
+        cases.setdefault(nodeid.split("[")[0], []).append(nodeid)
+    out = []
+    for nodeid in nodeids:
+        name = nodeid.split("[")[0]
+        whole = set(cases.get(name, [nodeid])) <= set(nodeids)
+        item = name if whole else nodeid
+        if item not in out:
+            out.append(item)
+    return out
+
+
+def tests_from_reach(mapping: dict, data: dict) -> dict:
+    """The assignments of `mapping`, each with `tests` and `efficiency` from a reach map (kit/reach.py): the
+    graded tests that reach one of its functions; those the mapping names under `efficiency` are its
+    efficiency tests, the others its correctness tests."""
+    every = list(data["tests"])
+    out = {}
+    for n, a in mapping["assignment"].items():
+        reached = [t for t, keys in data["tests"].items() if set(keys) & set(a["stubs"])]
+        efficiency = [t for t in reached if any(matches(t, s) for s in mapping.get("efficiency", []))]
+        out[n] = dict(a, tests=compress([t for t in reached if t not in efficiency], every),
+                      efficiency=compress(efficiency, every))
+    return out
+
+
+def load_assignments(mapping: dict | None = None, root=ROOT, note=None, data=None) -> dict:
+    """The assignments, each with its tests: as a copy's assignments.toml lists them, or, in the project
+    (no lists), from the reach map (data; else read from out/kit/, or traced now: note is told)."""
+    mapping = mapping or load_mapping(os.path.join(root, MAPPING))
+    if all("tests" in a for a in mapping["assignment"].values()):
+        return mapping["assignment"]
+    return tests_from_reach(mapping, data if data is not None else reach.reach_map(root, mapping, note=note))
+
+
 def matches(nodeid: str, spec: str) -> bool:
     """Does a collected test belong to a spec: a node id, a test name (all its cases), or a file?"""
     return nodeid == spec or nodeid.startswith(spec + "[") or nodeid.startswith(spec + "::")
@@ -111,7 +184,7 @@ def matches(nodeid: str, spec: str) -> bool:
 
 def _specs(assignment: dict) -> list[str]:
     """Every test the assignment runs: correctness (public and private), then efficiency."""
-    return assignment["tests"] + assignment.get("private", []) + assignment.get("efficiency", [])
+    return assignment.get("tests", []) + assignment.get("private", []) + assignment.get("efficiency", [])
 
 
 def waiting(assignments: dict, n: str, later_stubbed=None) -> dict[str, str]:
@@ -192,7 +265,7 @@ class _Recorder:
             case.update(outcome="skipped", message=_message(report.longreprtext))
 
 
-def run_tests(specs, pytest_args=(), in_spec_order=False, root=ROOT) -> dict[str, dict]:
+def run_tests(specs, pytest_args=(), in_spec_order=False, root=ROOT, plugins=()) -> dict[str, dict]:
     """Run the tests matching `specs` (node ids, test names or files) of the project at `root`, in this process.
 
     Returns {nodeid: {"outcome": passed/failed/error/skipped, "message": one line, "measures": what
@@ -211,7 +284,7 @@ def run_tests(specs, pytest_args=(), in_spec_order=False, root=ROOT) -> dict[str
             # unraisable-exception plugin, whose gc.collect() calls cost about a second a run.
             with contextlib.redirect_stdout(io.StringIO()), mock.patch.dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"):
                 pytest.main(["-o", "addopts=", "-q", "--tb=short", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-                             "--continue-on-collection-errors", *pytest_args, *files], plugins=[recorder])
+                             "--continue-on-collection-errors", *pytest_args, *files], plugins=[recorder, *plugins])
     finally:
         os.chdir(here)
     cases = dict(recorder.cases)
@@ -320,10 +393,11 @@ def hint(assignments: dict, name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # The mutation check (instructors): known bugs planted in the reference code, one at a time
 
-def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS)) -> dict:
-    """mutants.toml, checked: each fault names a function of its assignment, and correctness tests that
-    grade it in sequence; never an efficiency test (a fault is caught by what the code does, not by
-    what it costs)."""
+def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS), check=True) -> dict:
+    """mutants.toml, checked: each fault names a function of its assignment, and (check: `assignments`
+    with their tests) correctness tests that grade it in sequence; never an efficiency test (a fault is
+    caught by what the code does, not by what it costs). A rewrite that names no tests gets those of the
+    faults planted in its function (a slower one: every correctness test of its assignment, in sequence)."""
     if not os.path.exists(path):
         raise UsageError(f"no {MUTANTS} here: the mutation check runs in the full project, not in a student version")
     try:
@@ -342,6 +416,11 @@ def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS)) -> dict:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r} is for assignment {n!r}, which does not exist")
             if m["function"] not in assignments[n]["stubs"]:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r}: {m['function']} is not a function of assignment {n}")
+            if m.get("slower") and (kind != "equivalent" or not assignments[n].get("efficiency", check is False)):
+                raise UsageError(f"{MUTANTS}: {kind} {m['name']!r}: only an equivalent of an assignment with "
+                                 "efficiency tests can be slower")
+            if not check:
+                continue
             allowed = graded_in_sequence(assignments, n)
             if "tests" not in m:  # the tests of the faults planted in its function; a slower rewrite: all
                 same = [t for f in data.get("mutant", []) if f["function"] == m["function"] for t in f.get("tests", [])]
@@ -350,9 +429,6 @@ def load_mutants(assignments: dict, path=os.path.join(ROOT, MUTANTS)) -> dict:
             if efficiency:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r} runs {efficiency[0]}, an efficiency test: "
                                  "a fault must be caught by a correctness test")
-            if m.get("slower") and (kind != "equivalent" or not assignments[n].get("efficiency")):
-                raise UsageError(f"{MUTANTS}: {kind} {m['name']!r}: only an equivalent of an assignment with "
-                                 "efficiency tests can be slower")
             stray = [t for t in m["tests"] if not any(matches(t, spec) for spec in allowed)]
             if stray:
                 raise UsageError(f"{MUTANTS}: {kind} {m['name']!r} runs {stray[0]}, which does not grade "
@@ -364,116 +440,185 @@ class MutantError(Exception):
     """A planted fault that no longer fits the code: its snippet or function has changed."""
 
 
+def snippet_pattern(snippet: str) -> str:
+    """A regular expression for a code snippet that does not care how the code is spaced or wrapped: its
+    tokens in order, with any whitespace between them (some, between two words)."""
+    tokens = re.findall(r"\w+|\S", snippet)
+    pattern = re.escape(tokens[0]) if tokens else ""
+    for before, token in zip(tokens, tokens[1:]):
+        words = re.match(r"\w", before[-1]) and re.match(r"\w", token[0])
+        pattern += (r"\s+" if words else r"\s*") + re.escape(token)
+    return pattern
+
+
 def planted_source(source: str, fault: dict) -> str:
-    """`source` with one function rewritten: its `replace` snippet (exactly once in the function) replaced
-    by `with`, or its body after the docstring replaced by `body`. A MutantError when it no longer fits."""
+    """`source` with one function rewritten: its `replace` snippet (found exactly once in the function,
+    however it is spaced or wrapped) replaced by `with`, or its body after the docstring replaced by
+    `body`. A MutantError, saying what to update, when it no longer fits the code."""
     file, _, name = fault["function"].partition(":")
     try:
         node = find_function(ast.parse(source), name)
     except LookupError as e:
-        raise MutantError(f"{fault['name']!r} no longer applies: {e} in {file}") from None
+        raise MutantError(f"{fault['name']!r} no longer applies: {e} in {file}: update or remove it in {MUTANTS}") \
+            from None
     lines = source.splitlines(keepends=True)
     start = node.lineno - 1
     text = "".join(lines[start:node.end_lineno])  # from `def`, without decorators
     if "replace" in fault:
-        count = text.count(fault["replace"])
-        if count != 1:
+        found = list(re.finditer(snippet_pattern(fault["replace"]), text))
+        if len(found) != 1:
             raise MutantError(f"{fault['name']!r} no longer applies: snippet {fault['replace']!r} "
-                              f"{'not found' if count == 0 else f'found {count} times'} in {name}")
-        return "".join(lines[:start]) + text.replace(fault["replace"], fault["with"]) + "".join(lines[node.end_lineno:])
+                              f"{'not found' if not found else f'found {len(found)} times'} in {name} "
+                              f"({file}, lines {node.lineno}-{node.end_lineno}): give it a snippet of the code as "
+                              f"it is now in {MUTANTS}")
+        text = text[:found[0].start()] + fault["with"] + text[found[0].end():]
+        return "".join(lines[:start]) + text + "".join(lines[node.end_lineno:])
     indent = body_range(source, name)[2]
     return replace_body(source, name, [textwrap.indent(textwrap.dedent(fault["body"]), indent)])
 
 
-def workspace(root=ROOT) -> str:
-    """A scratch copy of the project's code and tests (what the graded tests import), for planting faults."""
-    scratch = tempfile.mkdtemp(prefix="medusa-mutants-")
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in {".git", "out", "__pycache__", ".pytest_cache", "notebooks", "docs"}]
-        for name in files:
-            if name.endswith((".py", ".toml", ".ini")):
-                src = os.path.join(folder, name)
-                dst = os.path.join(scratch, os.path.relpath(src, root))
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copy2(src, dst)
-    return scratch
-
-
-def forget_modules(*roots):
-    """Drop from sys.modules every module loaded from these folders, so that the next import reads the
-    files as they are now (a planted fault, then the original)."""
-    roots = [os.path.abspath(r) + os.sep for r in roots]
-    for name, module in list(sys.modules.items()):
+def project_modules(root=ROOT) -> list:
+    """The modules imported from the project's own files (the core, the lab, the tests), not the kit's."""
+    root, kit = os.path.abspath(root) + os.sep, KIT + os.sep
+    found = []
+    for module in list(sys.modules.values()):
         path = os.path.abspath(getattr(module, "__file__", None) or os.sep)
-        if name != "__main__" and not path.startswith(KIT + os.sep) and any(path.startswith(r) for r in roots):
-            del sys.modules[name]
+        if path.startswith(root) and not path.startswith(kit):
+            found.append(module)
+    return found
+
+
+def clear_caches(keys, root=ROOT):
+    """Empty the project's functools caches (module-level ones, and those a module-level function keeps
+    in its closure, as conftest.trained_once does) of what a fault in the functions `keys` changes: a
+    model trained, or buffers built, with the fault must be made again. A cache that remembers what each
+    entry reached (kit/reach.py, instrument) loses those entries only; any other cache, all of them."""
+    for module in project_modules(root):
+        for value in list(vars(module).values()):
+            cells = [value] + [c.cell_contents for c in (getattr(value, "__closure__", None) or ())
+                               if c.cell_contents is not value] if callable(value) else []
+            for found in cells:
+                if callable(getattr(found, "forget_reaching", None)):
+                    found.forget_reaching(keys)
+                elif callable(getattr(found, "cache_clear", None)):
+                    found.cache_clear()
 
 
 @contextlib.contextmanager
-def planted(fault: dict, scratch: str):
-    """The scratch copy with the fault written into its file for the duration of the block."""
-    file = fault["function"].partition(":")[0]
-    path = os.path.join(scratch, file)
+def planted(fault: dict, root=ROOT):
+    """The fault written into its function for the duration of the block, in this process only: the
+    function's code object is swapped for one compiled from the planted source (so every reference to it,
+    imported by name anywhere, runs the fault), and swapped back after. Nothing is written to a file."""
+    import importlib
+    import inspect
+    file, _, name = fault["function"].partition(":")
+    path = os.path.join(root, file)
     with open(path, encoding="utf-8") as f:
-        original = f.read()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(planted_source(original, fault))
+        source = planted_source(f.read(), fault)
+    owner, *parts, last = [importlib.import_module(file[:-3]), *name.split(".")]
+    for part in parts:
+        owner = getattr(owner, part)
+    live = reach.running(fault["function"], inspect.unwrap(inspect.getattr_static(owner, last)))
+    node = find_function(ast.parse(source), name)
+    node.decorator_list = []
+    tree = ast.Module([ast.ClassDef(parts[-1], [], [], [node], [])] if parts else [node], [])  # super() in a method
+    code = compile(ast.fix_missing_locations(tree), path, "exec")
+    while code.co_name != last:  # the module's code -> (the class body's) -> the function's
+        code = next(c for c in code.co_consts if isinstance(c, type(code)) and c.co_name in (last, *parts))
+    if code.co_freevars != live.__code__.co_freevars:
+        raise MutantError(f"{fault['name']!r} cannot be planted: it changes the variables {name} closes over")
+    original, live.__code__ = live.__code__, code
     try:
         yield
     finally:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(original)
+        live.__code__ = original
 
 
-def run_planted(fault, specs, scratch, pytest_args=()):
-    """run_tests on the scratch copy with `fault` planted, its modules imported afresh."""
-    with planted(fault, scratch):
-        forget_modules(scratch, ROOT)
-        sys.path.insert(0, scratch)
-        try:
-            return run_tests(specs, pytest_args, in_spec_order=True, root=scratch)
-        finally:
-            sys.path.remove(scratch)
-            forget_modules(scratch)
+def planter(faults, rows, assignments):
+    """A pytest plugin that runs, in one session, each fault's tests with the fault planted (planted):
+    a mutant's until the first fails, an equivalent's all (a slower one's efficiency tests too). Between
+    faults and between tests every fixture is torn down, and between faults the project's caches are
+    emptied, so nothing computed with one fault serves another. Appends one row per fault to `rows`."""
+    import pytest
+
+    class Planter:
+        def __init__(self):
+            self.items, self.reports = [], {}
+
+        def pytest_collection_finish(self, session):
+            self.items = list(session.items)
+
+        def pytest_runtest_logreport(self, report):
+            case = self.reports.setdefault(report.nodeid, {"outcome": "passed", "message": "", "measures": {}})
+            case["measures"].update(report.user_properties)
+            if case["outcome"] == "passed" and (report.failed or report.skipped):
+                case.update(outcome="failed" if report.failed and report.when == "call" else
+                            "error" if report.failed else "skipped", message=_message(report.longreprtext))
+
+        def run(self, specs, stop_at_failure):
+            self.reports = {}
+            items = sorted((i for i in self.items if any(matches(i.nodeid, s) for s in specs)),
+                           key=lambda i: next(k for k, s in enumerate(specs) if matches(i.nodeid, s)))
+            for item in items:
+                item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)  # None: every fixture torn down
+                if stop_at_failure and self.reports[item.nodeid]["outcome"] != "passed":
+                    break
+            for spec in specs:
+                if not any(matches(i.nodeid, spec) for i in items):
+                    self.reports[spec] = {"outcome": "error", "message": "not run: no such test", "measures": {}}
+            return dict(self.reports)
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtestloop(self, session):
+            for kind, fault in faults:
+                row = dict(kind=kind, assignment=fault["assignment"], name=fault["name"], function=fault["function"])
+                start = time.perf_counter()
+                try:
+                    with planted(fault):
+                        clear_caches([fault["function"]])
+                        cases = self.run(fault["tests"], kind == "mutant")
+                        spent = self.run(assignments[fault["assignment"]]["efficiency"], False) \
+                            if fault.get("slower") else {}
+                except MutantError as e:
+                    row.update(ok=False, stale=True, by="", message=f"mutant {e}")
+                else:
+                    judge(row, kind, fault, cases, spent)
+                finally:
+                    clear_caches([fault["function"]])
+                row["seconds"] = round(time.perf_counter() - start, 2)
+                rows.append(row)
+            return True
+    return Planter()
+
+
+def judge(row, kind, fault, cases, spent):
+    """A fault's row: a mutant is caught when a test failed; an equivalent passes when none did, and a
+    slower one must also be measured costlier than the reference."""
+    failed = [(nodeid, c) for nodeid, c in cases.items() if c["outcome"] != "passed"]
+    by, message = (failed[0][0], failed[0][1]["message"]) if failed else ("", "")
+    row.update(ok=bool(failed) == (kind == "mutant"), by=by, message=message, cases=len(cases))
+    if fault.get("slower"):
+        measures = worst([c["measures"] for c in spent.values()])
+        more = measures.get("ops_per_step", -math.inf) > measures.get("reference_ops_per_step", math.inf)
+        summary = describe_efficiency(measures, messages=[c["message"] for c in spent.values()])
+        row["efficiency"] = dict(measures=measures, summary=summary)
+        if row["ok"] and not more:
+            row.update(ok=False, message=f"not slower than the reference: {row['efficiency']['summary']}")
 
 
 def check_mutants(assignments: dict, data: dict, numbers) -> list[dict]:
-    """Each fault: its tests with it planted (in a scratch copy of the project), stopping at the first
-    failure. Each equivalent (a correct rewrite): its tests must all pass, so a check that fails
-    everything cannot pass for one that works. A slower equivalent must also cost more ops per step
-    than the reference, measured by the assignment's efficiency tests: it is correct, and reported
-    slower, never failed for it."""
-    rows, scratch = [], workspace()
-    try:
-        for kind in ("mutant", "equivalent"):
-            for fault in data.get(kind, []):
-                if fault["assignment"] not in numbers:
-                    continue
-                rows.append(check_one(kind, fault, assignments, scratch))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    """Each fault: its tests with it planted, stopping at the first failure. Each equivalent (a correct
+    rewrite): its tests must all pass, so a check that fails everything cannot pass for one that works.
+    A slower equivalent must also cost more ops per step than the reference, measured by the assignment's
+    efficiency tests: it is correct, and reported slower, never failed for it. One pytest session runs
+    them all (planter), in this process; the project's files are not touched."""
+    faults = [(kind, f) for kind in ("mutant", "equivalent") for f in data.get(kind, []) if f["assignment"] in numbers]
+    # Caches that know what their entries reached, where this process has not imported the project yet:
+    # a fault then retrains only what it changes.
+    reach.instrument(ROOT, [key for a in assignments.values() for key in a["stubs"]])
+    specs = list(dict.fromkeys(s for _, f in faults for s in f["tests"] + (
+        assignments[f["assignment"]]["efficiency"] if f.get("slower") else [])))
+    rows = []
+    run_tests(specs, plugins=[planter(faults, rows, assignments)])
     return rows
 
-
-def check_one(kind, fault, assignments, scratch) -> dict:
-    row = dict(kind=kind, assignment=fault["assignment"], name=fault["name"], function=fault["function"])
-    start = time.perf_counter()
-    try:
-        cases = run_planted(fault, fault["tests"], scratch, ("-x",) if kind == "mutant" else ())
-        if fault.get("slower"):
-            spent = run_planted(fault, assignments[fault["assignment"]]["efficiency"], scratch)
-    except MutantError as e:
-        row.update(ok=False, stale=True, by="", message=f"mutant {e}")
-    else:
-        failed = [(nodeid, c) for nodeid, c in cases.items() if c["outcome"] != "passed"]
-        by, message = (failed[0][0], failed[0][1]["message"]) if failed else ("", "")
-        row.update(ok=bool(failed) == (kind == "mutant"), by=by, message=message, cases=len(cases))
-        if fault.get("slower"):
-            measures = worst([c["measures"] for c in spent.values()])
-            more = measures.get("ops_per_step", -math.inf) > measures.get("reference_ops_per_step", math.inf)
-            summary = describe_efficiency(measures, messages=[c["message"] for c in spent.values()])
-            row["efficiency"] = dict(measures=measures, summary=summary)
-            if row["ok"] and not more:
-                row.update(ok=False, message=f"not slower than the reference: {row['efficiency']['summary']}")
-    row["seconds"] = round(time.perf_counter() - start, 2)
-    return row

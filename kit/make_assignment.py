@@ -4,14 +4,19 @@
     python kit/make_assignment.py 2 --out out/assignment-2     # the whole project, assignment 2 stubbed
 
 kit/assignments.toml says, for each assignment, which functions become stubs (with a short nudge, and a
-full hint that `python kit/grade.py --hint NAME` prints) and which tests grade it. Assignments are handed
-out in the order of that file: the copy for N also stubs every later assignment's functions (no
-hint), so it holds no solution the student has not written yet, and grade.py grades N on the tests
-that do not need them. A stub keeps its decorators, signature and docstring; its body becomes one
-line, `raise NotImplementedError("assignment N: <function>: <nudge>")`: the marker commands and
-notebooks read (lab/stubs.py), and the one line a command prints when it reaches a stub. Functions are found by name with `ast`
-and rewritten by line range, so the rest of every file is copied byte for byte and the source
-carries no solution markers. See docs/instructors.md.
+full hint that `python kit/grade.py --hint NAME` prints); which tests grade it, the kit learns by running
+the graded files (kit/reach.py) and writes into the copy's own assignments.toml. Assignments are handed
+out in the order of that file: the copy for N also stubs every later assignment's functions (no hint),
+so it holds no solution the student has not written yet, and grade.py grades N on the tests that do not
+need them. A stub keeps its decorators, signature and docstring; its body becomes one line,
+`raise NotImplementedError("assignment N: <function>: <nudge>")`: the marker the copy reads
+(kit/stubs.py). Functions are found by name with `ast` and rewritten by line range.
+
+What a copy needs that the project does not, the copy gets here, written in: each command's first
+statement stops it in one line while an assignment it needs is a stub (kit/stubs.py); each notebook's
+first code cell has its cells that need an unwritten assignment say so and be skipped, and lets a model
+whose own code is a stub load as a stand-in (kit/notebook_guard.py). Every other file is copied byte for
+byte, but notebook outputs that print a stubbed function's source. See docs/instructors.md.
 """
 import argparse
 import ast
@@ -22,8 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import stubs  # noqa: E402
 from grading import (MAPPING, UsageError, body_range, find_function, get_body, graded_in_sequence,  # noqa: F401
-                     load_mapping, replace_body)
+                     load_assignments, load_mapping, replace_body)
 
 ROOT = Path(__file__).resolve().parents[1]
 PRIVATE_DIR = "tests/private/"  # the instructor's own tests: never copied into a student version
@@ -113,8 +119,18 @@ def _toml_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
 
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return _toml_string(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+
+
 def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
     out = [f"\n[assignment.{number}]\n", f"title = {_toml_string(assignment['title'])}\n"]
+    if assignment.get("notebooks"):
+        out.append(f"notebooks = {_toml_value(assignment['notebooks'])}\n")
     for key in ("tests", "efficiency", "private"):
         items = "".join(f"\n    {_toml_string(t)}," for t in assignment.get(key, []))
         out.append(f"{key} = [{items}\n]\n" if items else f"{key} = []\n")
@@ -126,12 +142,17 @@ def _toml_entry(number, assignment: dict, hints: bool) -> list[str]:
     return out
 
 
-def student_mapping(number, assignment: dict, later: dict[str, dict] = {}) -> str:
+def student_mapping(number, assignment: dict, later: dict[str, dict] = {}, tables: dict = {}) -> str:
     """assignments.toml for a student version: its assignment (the default of `python kit/grade.py`), with
-    its full hints; then the later assignments, stubbed here, with no hints: grade.py needs their tests
-    (correctness and efficiency) to know which of this assignment's tests wait for them."""
+    its tests and full hints; then the later assignments, stubbed here, with no hints: grade.py needs their
+    tests (correctness and efficiency) to know which of this assignment's tests wait for them. tables: the
+    project's [commands] and [drafters], which the copy's commands read to stop (kit/stubs.py)."""
     out = [f"# Written by kit/make_assignment.py: assignment {number}, graded with: python kit/grade.py\n",
            f"default = {_toml_string(str(number))}\n"]
+    for name in ("commands", "drafters"):
+        if tables.get(name):
+            out.append(f"\n[{name}]\n")
+            out += [f"{_toml_string(k)} = {_toml_value(v)}\n" for k, v in tables[name].items()]
     out += _toml_entry(number, assignment, hints=True)
     for m, a in later.items():
         stubs = {key: later_hint(number) for key in a["stubs"]}
@@ -140,10 +161,34 @@ def student_mapping(number, assignment: dict, later: dict[str, dict] = {}) -> st
     return "".join(out)
 
 
+def command_lines(mapping: dict, stubbed) -> list[str]:
+    """For ASSIGNMENT.md: what each command of [commands] waits for in a copy where the assignments
+    `stubbed` are stubs, with its default drafters, and what another drafter changes."""
+    stubbed = {int(n) for n in stubbed}
+
+    def numbers(ns):
+        return f"assignment{'s' if len(ns) > 1 else ''} {', '.join(map(str, ns))}"
+    lines = []
+    for command, entry in mapping.get("commands", {}).items():
+        now = sorted(set(stubs.needed(command, [], mapping)) & stubbed)
+        line = f"`python {command}` " + (f"waits for {numbers(now)}" if now else "runs")
+        changes = {}
+        for drafter in mapping.get("drafters", {}) if "drafters" in entry else ():
+            other = sorted(set(stubs.needed(command, [entry["drafters"], drafter], mapping)) & stubbed)
+            if other != now:
+                says = (f"also waits for {numbers(sorted(set(other) - set(now)))}" if now and set(other) > set(now)
+                        else f"waits for {numbers(other)}" if other else "runs")
+                changes.setdefault(says, []).append(f"`{entry['drafters']} {drafter}`")
+        line += "".join(f"; with {' or '.join(flags)}, it {says}" for says, flags in changes.items())
+        lines.append(line)
+    return lines
+
+
 def student_note(number, assignment: dict, line_numbers: dict[str, int], graded: list[str],
-                 waiting: dict[str, list[str]], efficiency: list[str] = ()) -> str:
+                 waiting: dict[str, list[str]], efficiency: list[str] = (), commands: list[str] = ()) -> str:
     """ASSIGNMENT.md: what to implement and how to grade it. graded: the correctness tests run now;
-    efficiency: the efficiency tests run now; waiting: {later assignment: tests of either kind}."""
+    efficiency: the efficiency tests run now; waiting: {later assignment: tests of either kind};
+    commands: one line for each command, what it waits for."""
     rows = "".join(f"| `{key.partition(':')[2]}` | `{key.partition(':')[0]}` line {line_numbers[key]} | {hint} |\n"
                    for key, hint in assignment["stubs"].items())
     tests = "".join(f"- `{t}`\n" for t in graded)
@@ -159,6 +204,7 @@ def student_note(number, assignment: dict, line_numbers: dict[str, int], graded:
                  "graded with those (`python kit/grade.py` lists them as LATER):\n\n"
                  + "".join(f"- `{t}` (assignment {m}{kind.get(t, '')})\n" for m, ts in waiting.items() for t in ts))
     name = next(iter(assignment["stubs"])).partition(":")[2].rpartition(".")[2]
+    runs = "".join(f"  - {line};\n" for line in commands)
     return f"""# Assignment {number}: {assignment['title']}
 
 In this copy of medusa-mini, the functions below keep their signature and docstring, which states
@@ -168,13 +214,13 @@ The functions of later assignments are stubs too, with no hint: they are not par
 What runs in this copy now, and what waits:
 - **The notebooks** (`jupyter lab notebooks/`) run top to bottom, on a model your instructor trained
   with the reference code (in `out/tiny/`, and in `out/` when there was a full run): a cell that needs
-  an assignment not written yet prints one line saying which, and is skipped. To run them all as the
-  tests do: `MEDUSA_FAST=1 python -m pytest --nbmake notebooks`.
-- **`python sample.py --out out/tiny`** (the model the copy came with) runs once assignments 1 to 4 are
-  written (and 6, for `--drafter eagle`).
-- **`python train_heads.py`, `benchmark.py` and `ablation.py`** run the whole pipeline, which needs
-  every assignment: until then each stops with one line naming the first it waits for.
-
+  an assignment not written yet prints one line saying which, and is skipped (the first code cell of
+  each notebook, written into this copy, arranges it). To run them all as the tests do:
+  `MEDUSA_FAST=1 python -m pytest --nbmake notebooks`.
+- **The commands** stop with one line naming the first assignment they wait for, before they load or
+  train anything (their first line, written into this copy, checks it); `sample.py --out out/tiny`
+  uses the model the copy came with:
+{runs}
 | function | where | nudge |
 |---|---|---|
 {rows}
@@ -197,6 +243,49 @@ whole suite, `python -m pytest`, also runs tests of later assignments, which fai
 The tests:
 
 {tests}{later}{private}"""
+
+
+# ----------------------------------------------------------------------------------------------
+# What a copy gets written in: the commands' stop, the notebooks' guard
+
+COMMAND_GUARD = ("import kit.stubs; kit.stubs.stop_while_waiting(__name__, __file__)  # written by "
+                 "kit/make_assignment.py: in this copy, stop in one line while an assignment this command needs "
+                 "is a stub\n")
+NOTEBOOK_GUARD = [
+    "# Written into this copy by kit/make_assignment.py: a cell that needs an assignment still to write here\n",
+    "# says so in one line and is skipped; a model whose own code is still a stub loads as a stand-in.\n",
+    "import course  # noqa: F401  (the project on sys.path)\n",
+    "from kit import notebook_guard\n",
+    "notebook_guard.watch()",
+]
+
+
+def guard_command(source: str) -> str:
+    """A command's source with COMMAND_GUARD as its first statement (after its docstring and any
+    `from __future__` import), so it runs before the command imports anything."""
+    module = ast.parse(source)
+    after = 0
+    for node in module.body:
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                and node is module.body[0]) or (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
+            after = node.end_lineno
+        else:
+            break
+    newline = "\r\n" if "\r\n" in source else "\n"
+    lines = source.splitlines(keepends=True)
+    return "".join(lines[:after] + [COMMAND_GUARD.replace("\n", newline)] + lines[after:])
+
+
+def guard_notebook(notebook: str) -> str:
+    """A notebook with NOTEBOOK_GUARD as a new code cell before its first code cell."""
+    nb = json.loads(notebook)
+    cells = nb.get("cells", [])
+    first = next((i for i, c in enumerate(cells) if c.get("cell_type") == "code"), len(cells))
+    cell = dict(cell_type="code", execution_count=None, metadata={}, outputs=[], source=NOTEBOOK_GUARD)
+    if (nb.get("nbformat"), nb.get("nbformat_minor", 0)) >= (4, 5):
+        cell = dict(id="kit-notebook-guard", **cell)
+    cells.insert(first, cell)
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
 def solution_lines(root: Path, files: list[str], keys) -> dict[str, list[str]]:
@@ -224,83 +313,91 @@ def clear_leaking_outputs(notebook: str, lines) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n" if changed else notebook
 
 
-def run_files() -> tuple:
-    """The files of a run folder a copy needs: checkpoints, tokenizer, token ids."""
-    from lab import drafters
-    return ("base.pt", "distill.pt", "bpe", "train_ids", "val_ids") + tuple(f"{n}.pt" for n in drafters.names())
+RUN_FILES = (".pt", ".tiktoken", ".source.json", ".npy", ".key.json")  # checkpoints, tokenizer, token ids
 
 
 def copy_trained_runs(root: Path, out: Path):
     """The instructor's trained models into a copy, for its notebooks and sample.py, which then need no
-    pipeline: the tiny preset's run (lab/gpt_pipeline.tiny_run: trained now with the reference code when
-    there is none) into out/tiny/, and the full run, where it has finished, into out/."""
-    from lab import gpt_pipeline  # torch: only when a copy gets a model
-    runs = [Path(gpt_pipeline.tiny_run(root / "out"))]
-    if gpt_pipeline.run_finished(root / "out" / "medusa.pt"):
-        runs.append(root / "out")
-    for run in runs:
+    pipeline: the tiny preset's run (trained now with the reference code when there is none) into
+    out/tiny/, and the full run, where it has finished, into out/. The one place the kit calls the lab
+    (lab/runs.py: tiny_run, run_finished)."""
+    from lab import runs  # torch: only when a copy gets a model
+    found = [Path(runs.tiny_run(root / "out"))]
+    if runs.run_finished(root / "out" / "medusa.pt"):
+        found.append(root / "out")
+    for run in found:
         target = out / run.relative_to(root)
         target.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(run):
-            if name.startswith(run_files()):
+            if name.endswith(RUN_FILES) and (run / name).is_file():
                 shutil.copy2(run / name, target / name)
 
 
 def restore_bodies(copy, assignment: dict, root=ROOT):
     """What a student does, done with the reference's bodies: put them back into every stub of `assignment`
     in the student version at `copy` (the kit's self-check; an instructor checking a copy by hand)."""
-    for file, stubs in stubs_by_file(assignment).items():
+    for file, functions in stubs_by_file(assignment).items():
         original, source = read_source(Path(root) / file), read_source(Path(copy) / file)
-        for name, _ in stubs:
+        for name, _ in functions:
             source = replace_body(source, name, get_body(original, name))
         write_source(Path(copy) / file, source)
 
 
-def make_assignment(number, out, root=ROOT, in_sequence=True, models=True) -> list[str]:
+NO_TESTS = {"tests": {}}  # a reach map for copies whose test lists do not matter (the kit's own checks)
+
+
+def make_assignment(number, out, root=ROOT, in_sequence=True, models=True, reach=None) -> list[str]:
     """Copy the project at `root` into `out` with assignment `number` stubbed, and (in_sequence) every
     later assignment's functions stubbed without a hint, and (models) the instructor's trained runs
-    (copy_trained_runs); return the project files written."""
+    (copy_trained_runs); the commands' stop and the notebooks' guard written in; the copy's tests listed
+    in its assignments.toml and ASSIGNMENT.md from `reach` (kit/reach.py's map; None: read from out/kit/,
+    or learned now by running the graded files). Return the project files written."""
     root, out = Path(root).resolve(), Path(out).resolve()
     mapping = load_mapping(root / MAPPING)
-    assignment = get_assignment(mapping, number)
-    number = str(number)
-    later = {m: mapping["assignment"][m] for m in later_assignments(mapping, number)} if in_sequence else {}
+    get_assignment(mapping, number)
     if out.is_relative_to(root) and not out.is_relative_to(root / "out"):
         raise UsageError(f"write student versions under out/ (ignored by git) or outside the project, not {out}")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty: give a new directory")
+    assignments = load_assignments(mapping, root, note=lambda line: print(line, file=sys.stderr), data=reach)
+    number = str(number)
+    assignment = assignments[number]
+    later = {m: assignments[m] for m in later_assignments(mapping, number)} if in_sequence else {}
     skip = tuple(mapping.get("exclude", [])) + (PRIVATE_DIR,)
     files = [f for f in project_files(root) if not f.startswith(skip)]
 
     stubbed, line_numbers = {}, {}  # stub everything before writing anything
     for n, a, hint in [(number, assignment, None)] + [(m, a, later_hint(number)) for m, a in later.items()]:
-        for file, stubs in stubs_by_file(a).items():
+        for file, functions in stubs_by_file(a).items():
             if file not in files:
                 raise UsageError(f"{file} (stubs of assignment {n}) is not a project file")
             source = stubbed.get(file) or read_source(root / file)
             try:
-                stubbed[file] = stub_source(source, [(name, hint or h) for name, h in stubs], n)
+                stubbed[file] = stub_source(source, [(name, hint or h) for name, h in functions], n)
             except (LookupError, ValueError) as e:  # the mapping names a function the file does not hold
                 raise UsageError(f"{MAPPING}, assignment {n}, {file}: {e}") from None
     for key in assignment["stubs"]:
         file, _, name = key.partition(":")
         line_numbers[key] = find_function(ast.parse(stubbed[file]), name).lineno
+    commands = [c for c in mapping.get("commands", {}) if c in files]
+    for command in commands:
+        stubbed[command] = guard_command(stubbed.get(command) or read_source(root / command))
 
     stubbed_keys = [k for a in [assignment, *later.values()] for k in a["stubs"]]
     secret = [line for lines in solution_lines(root, files, stubbed_keys).values() for line in lines]
     for f in files:
         (out / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / f, out / f)
         if f.endswith(".ipynb"):  # outputs that print a stubbed function's source would give it away
-            notebook = read_source(root / f)
-            cleared = clear_leaking_outputs(notebook, secret)
-            if cleared != notebook:
-                write_source(out / f, cleared)
+            write_source(out / f, guard_notebook(clear_leaking_outputs(read_source(root / f), secret)))
+        elif f not in stubbed:
+            shutil.copy2(root / f, out / f)
     for file, source in stubbed.items():
         write_source(out / file, source)
+        shutil.copymode(root / file, out / file)
     if models:
         copy_trained_runs(root, out)
-    (out / MAPPING).write_text(student_mapping(number, assignment, later), encoding="utf-8")
+    tables = {name: mapping.get(name, {}) for name in ("commands", "drafters")}
+    (out / MAPPING).write_text(student_mapping(number, assignment, later, tables), encoding="utf-8")
     waiting = {}
     for key in ("tests", "efficiency"):
         for spec in assignment.get(key, []):
@@ -310,22 +407,25 @@ def make_assignment(number, out, root=ROOT, in_sequence=True, models=True) -> li
                     break
     graded, efficiency = ([t for t in assignment.get(key, []) if not any(t in ts for ts in waiting.values())]
                           for key in ("tests", "efficiency"))
-    (out / "ASSIGNMENT.md").write_text(student_note(number, assignment, line_numbers, graded, waiting, efficiency),
-                                       encoding="utf-8")
+    note = student_note(number, assignment, line_numbers, graded, waiting, efficiency,
+                        command_lines(mapping, [number, *later]))
+    (out / "ASSIGNMENT.md").write_text(note, encoding="utf-8")
     return sorted(set(files) | {MAPPING, "ASSIGNMENT.md"})
 
 
-def print_table(mapping: dict):
-    for number, a in mapping["assignment"].items():
+def print_table(mapping: dict, assignments: dict):
+    for number, a in assignments.items():
         print(f"Assignment {number}: {a['title']}")
         print("  stubs:  " + ", ".join(k.replace(":", " ") for k in a["stubs"]))
-        now = graded_in_sequence(mapping["assignment"], number)
+        if a.get("notebooks"):
+            print("  shown in: " + ", ".join(f"notebooks/{name}" for name in a["notebooks"]))
+        now = graded_in_sequence(assignments, number)
         print(f"  graded by {len(a['tests'])} tests" + (f" + {len(a['private'])} private" if a.get("private") else "")
               + f"; handed out in sequence, {len(a['tests']) - len(now)} of them wait for later assignments (LATER)")
         for t in a["tests"]:
             print(f"    {t}" + ("" if t in now else "  (LATER)"))
         if a.get("efficiency"):
-            now = graded_in_sequence(mapping["assignment"], number, "efficiency")
+            now = graded_in_sequence(assignments, number, "efficiency")
             print("  efficiency, reported apart:")
             for t in a["efficiency"]:
                 print(f"    {t}" + ("" if t in now else "  (LATER)"))
@@ -348,7 +448,8 @@ def main(argv=None):
     try:
         args = parser.parse_args(argv)
         if args.list:
-            print_table(load_mapping(ROOT / MAPPING))
+            mapping = load_mapping(ROOT / MAPPING)
+            print_table(mapping, load_assignments(mapping, ROOT, note=lambda line: print(line, file=sys.stderr)))
             return 0
         if args.number is None:
             raise UsageError("give an assignment number (or --list)")

@@ -1,32 +1,37 @@
 """The kit's mapping and its tools, without copies: kit/assignments.toml names real functions once, with a
-nudge and a hint each; stubbing a function and putting its body back gives the file back; make_assignment
-refuses what it cannot do; the hints name tests that run; an error a student's function must raise is
-stated in its docstring and its hint; grade.py says in one line why a test failed."""
+nudge and a hint each, and real commands, notebooks and test files; stubbing a function and putting its
+body back gives the file back; what make_assignment.py writes into a copy (the commands' stop, the
+notebooks' guard) does what it says on small inputs; make_assignment refuses what it cannot do; an error
+a student's function must raise is stated in its docstring and its hint; grade.py says in one line why a
+test failed. None of them needs the reach map."""
 import ast
 import errno
+import io
+import json
 import re
+import subprocess
 import sys
-from pathlib import Path
+from contextlib import redirect_stdout
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "kit")]
+from kit_helpers import MAPPING, ROOT, ma
 import grade  # noqa: E402
 import grading  # noqa: E402
-import make_assignment as ma  # noqa: E402
+import notebook_guard  # noqa: E402
 import stubs  # noqa: E402
 
-MAPPING = ma.load_mapping(ROOT / ma.MAPPING)
 ASSIGNMENTS = MAPPING["assignment"]
 
 
-def test_mapping_names_real_functions_once():
+def test_mapping_names_real_functions_commands_notebooks_and_tests():
     """Every stub names a function of a project file, with a one-line nudge; no function is in two
-    assignments; a test is correctness or efficiency, never both."""
+    assignments; every assignment names the notebooks that show its code; the commands, drafters, graded
+    files and efficiency tests named exist; no assignment lists its tests (the kit learns them)."""
     seen = {}
     for n, a in ASSIGNMENTS.items():
-        assert a["title"] and a["stubs"] and a["tests"], f"assignment {n} needs a title, stubs and tests"
+        assert a["title"] and a["stubs"] and a.get("notebooks"), f"assignment {n} needs a title, stubs and notebooks"
+        assert "tests" not in a and "efficiency" not in a, f"assignment {n} lists tests: the kit learns them (kit/reach.py)"
         for key, hint in a["stubs"].items():
             file, _, name = key.partition(":")
             assert name and (ROOT / file).is_file(), f"assignment {n}: {key!r} is not 'file:function'"
@@ -34,16 +39,25 @@ def test_mapping_names_real_functions_once():
             assert hint.strip() and "\n" not in hint, f"assignment {n}: the nudge of {key} must be one line"
             assert key not in seen, f"{key} is in assignments {seen[key]} and {n}"
             seen[key] = n
-        both = [t for t in a["tests"] if grading.is_efficiency_test(ASSIGNMENTS, t)]
-        assert not both, f"assignment {n}: {both[0]} is a correctness test here and an efficiency test elsewhere"
-        for spec in a["tests"] + a.get("efficiency", []):
-            assert (ROOT / spec.split("::")[0]).is_file(), f"assignment {n}: {spec} is not in a test file"
+        for name in a["notebooks"]:
+            assert (ROOT / "notebooks" / name).is_file(), f"assignment {n}: no notebooks/{name}"
+    assert MAPPING["graded"] and all((ROOT / f).is_file() for f in MAPPING["graded"]), MAPPING["graded"]
+    for spec in MAPPING["efficiency"]:
+        assert spec.split("::")[0] in MAPPING["graded"], f"{spec} is not in a graded file"
+        assert f"def {spec.split('::')[1]}(" in (ROOT / spec.split("::")[0]).read_text(), f"no test {spec}"
+    for command, entry in MAPPING["commands"].items():
+        assert (ROOT / command).is_file() and "__main__" in (ROOT / command).read_text(), f"{command} is not a command"
+        assert set(entry["needs"]) <= set(ASSIGNMENTS), f"{command} needs an assignment that does not exist"
+        if "drafters" in entry:
+            assert f'"{entry["drafters"]}"' in (ROOT / command).read_text(), f"{command} has no flag {entry['drafters']}"
+            assert set(entry["default"].split(",")) <= set(MAPPING["drafters"]), command
+    assert all(set(ns) <= set(ASSIGNMENTS) for ns in MAPPING["drafters"].values())
 
 
-@pytest.mark.parametrize("file", ["medusa_mini.py", "tree.py", "verify.py", "feature_drafter.py"])
+@pytest.mark.parametrize("file", ["medusa_mini.py", "tree.py", "verify.py", "kv_cache.py", "feature_drafter.py"])
 def test_stubbing_any_function_and_restoring_it_gives_back_the_file(file):
     """The rewrite is local: stub every top-level function and method, one at a time, then put the body
-    back. Each stub carries the marker commands read (lab/stubs.py), naming its assignment."""
+    back. Each stub carries the marker a copy reads (kit/stubs.py), naming its assignment."""
     source = ma.read_source(ROOT / file)
     module = ast.parse(source)
     names = [n.name for n in module.body if isinstance(n, ast.FunctionDef)]
@@ -71,8 +85,6 @@ def test_make_assignment_refuses_bad_directories_and_unknown_numbers(tmp_path, c
     err = capsys.readouterr().err
     assert "not empty" in err and "under out/" in err and "no assignment '99'" in err and "--bogus" in err
     assert all(line.startswith("error: ") for line in err.splitlines()), err  # one line each, no traceback
-    assert ma.main(["--list"]) == 0
-    assert "Assignment 1:" in capsys.readouterr().out
 
 
 def test_hints_in_two_levels(capsys):
@@ -111,18 +123,6 @@ def test_grade_refuses_a_read_only_folder_for_its_json_before_grading(tmp_path, 
     assert grade.main(["--json", str(tmp_path / "result.json"), "1"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "read-only" in err[0], err
-
-
-def test_hints_name_only_tests_that_run_in_their_copy():
-    """A hint or nudge that names a test (a file under tests/ or a test function) names one that runs
-    in the copy handed out in sequence, correctness or efficiency: not one listed there as LATER."""
-    for n, a in ASSIGNMENTS.items():
-        now = (grading.graded_in_sequence(ASSIGNMENTS, n) + grading.graded_in_sequence(ASSIGNMENTS, n, "efficiency")
-               + a.get("private", []))
-        for key, text in [*a["hints"].items(), *a["stubs"].items()]:
-            for name in re.findall(r"tests/[\w/]+\.py(?:::\w+)?|\btest_\w+", text):
-                runs = any(t == name or t.startswith((name + "::", name + "[")) or f"::{name}" in t for t in now)
-                assert runs, f"assignment {n}, the hint of {key} names {name}, which does not run in its copy"
 
 
 def raised_in(function) -> list[tuple[str, str]]:
@@ -172,3 +172,119 @@ E     Actual message: 'holds 1..6 nodes'"""
     assert grading._message("x.py:3: in f\n    raise NotImplementedError('assignment 3: f: go')\n"
                             "E   NotImplementedError: assignment 3: f: go") == \
         "x.py:3: NotImplementedError: assignment 3: f: go"
+
+
+# ----------------------------------------------------------------------------------------------
+# What make_assignment.py writes into a copy, on small inputs
+
+def test_a_commands_stop_is_its_first_statement_and_reads_its_flags(tmp_path):
+    """The stop goes after the docstring and any __future__ import, before every other import; the
+    assignments a command needs follow its drafter flag; in a folder whose core has a stub of one of them,
+    the command stops with one line and exit status 1 before its own code runs, and runs otherwise; its
+    help is always shown."""
+    source = '"""A command.\n\n    python cmd.py\n"""\nfrom __future__ import annotations\nimport os\nprint("ran")\n'
+    guarded = ma.guard_command(source)
+    assert guarded.splitlines()[5] == ma.COMMAND_GUARD.strip() and guarded.replace(ma.COMMAND_GUARD, "") == source
+    assert ma.guard_command("import os\n").startswith(ma.COMMAND_GUARD)
+    mapping = {"commands": {"cmd.py": {"needs": ["1"], "drafters": "--drafter", "default": "a"}},
+               "drafters": {"a": [], "b": ["2"]}}
+    assert stubs.needed("cmd.py", [], mapping) == [1]
+    assert stubs.needed("cmd.py", ["--drafter", "b"], mapping) == stubs.needed("cmd.py", ["--drafter=b"], mapping) == [1, 2]
+    assert stubs.needed("other.py", [], mapping) == []
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "kit" / "stubs.py").write_text((ROOT / "kit" / "stubs.py").read_text())
+    (tmp_path / "kit" / "assignments.toml").write_text(
+        '[commands]\n"cmd.py" = { needs = ["1"], drafters = "--drafter", default = "a" }\n[drafters]\na = []\nb = ["2"]\n')
+    (tmp_path / "core.py").write_text('def f():\n    """Doc."""\n    raise NotImplementedError("assignment 2: f: go")\n')
+    (tmp_path / "cmd.py").write_text(guarded)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "cmd.py", *args], cwd=tmp_path, capture_output=True, text=True)
+    ran, stopped, helped = run(), run("--drafter", "b"), run("--drafter", "b", "--help")
+    assert ran.returncode == 0 and ran.stdout == "ran\n" and not ran.stderr
+    assert stopped.returncode == 1 and not stopped.stdout
+    assert stopped.stderr.splitlines() == ["error: cmd.py needs assignment 2 (core.py:f), still to write in this copy: "
+                                           "write it, then check it with `python kit/grade.py 2`"]
+    assert helped.returncode == 0 and helped.stdout == "ran\n"
+
+
+def test_a_notebook_gets_its_guard_cell_first_and_nothing_else_changes():
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": ["# Title"]},
+                    {"cell_type": "code", "execution_count": 1, "metadata": {}, "outputs": [], "source": ["x = 1"]}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+    text = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    guarded = json.loads(ma.guard_notebook(text))
+    assert [c["cell_type"] for c in guarded["cells"]] == ["markdown", "code", "code"]
+    assert guarded["cells"][1]["source"] == ma.NOTEBOOK_GUARD and guarded["cells"][2] == nb["cells"][1]
+    guarded["cells"].pop(1)
+    assert json.dumps(guarded, indent=1, ensure_ascii=False) + "\n" == text
+
+
+def run_cells(guard, namespace, *cells):
+    """Each cell as IPython runs it once the guard transforms it: what it printed, and what it showed."""
+    printed, shown = io.StringIO(), []
+    for cell in cells:
+        tree = guard.visit(ast.parse(cell))
+        *body, last = tree.body
+        with redirect_stdout(printed):
+            exec(compile(ast.Module(body, []), "<cell>", "exec"), namespace)
+            if isinstance(last, ast.Expr):
+                shown.append(eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace))
+            else:
+                exec(compile(ast.Module([last], []), "<cell>", "exec"), namespace)
+    return printed.getvalue().splitlines(), shown
+
+
+def test_a_notebook_cell_that_reaches_a_stub_says_so_and_so_do_the_cells_that_need_its_names(tmp_path):
+    """A cell stopped by a stub prints one line naming the assignment and its functions still to write; a
+    later cell that reads a name it set (or changed) is not run and says the same; a cell that sets the
+    name again frees it; any other error is the notebook's; the value of a cell's last line is shown."""
+    (tmp_path / "core.py").write_text('def f():\n    """Doc."""\n    raise NotImplementedError("assignment 3: f: go")\n')
+    guard = notebook_guard.Guard(tmp_path)
+    ns = {notebook_guard.SHELL_NAME: guard}
+    line = "this cell needs assignment 3 (f), not done in this copy"
+
+    def stub():
+        raise NotImplementedError("assignment 3: f: go")
+    ns["stub"] = stub
+    printed, shown = run_cells(guard, ns, "a = 1\nb = {}\na + 1", "print('before')\nc = stub()\nb['k'] = 2")
+    assert printed == ["before", line] and shown == [2] and ns["a"] == 1
+    printed, _ = run_cells(guard, ns, "print(c)", "d = [x * a for x in range(2)]\nprint(b)", "print(len(d))")
+    assert printed == [line, line, line]
+    printed, shown = run_cells(guard, ns, "b = {'new': 1}\nc = 3\nprint(c)", "print(b, c)", "def g(y):\n    return y + c\ng(1)")
+    assert printed == ["3", "{'new': 1} 3"] and shown == [None, None, 4]
+    with pytest.raises(ZeroDivisionError):
+        run_cells(guard, ns, "1 / 0")
+    with pytest.raises(NameError):
+        run_cells(guard, ns, "never_set")
+    found = notebook_guard.names(ast.parse("for i in r: t += i\nwith o as w: z = w\nimport m.n as k\nlambda q: q + s").body)
+    assert found.reads == {"r", "t", "o", "s"} and found.binds == {"i", "t", "w", "z", "k"}
+
+
+def test_a_model_whose_init_is_a_stub_loads_as_a_stand_in():
+    """A module whose __init__ is a stub is built without it: no weights, none loaded, moved and cast with its
+    model; using it (calling it, asking for a part or its parameters) raises the stub's error."""
+    import torch
+
+    class Head(torch.nn.Module):
+        def __init__(self, width):
+            """Doc."""
+            raise NotImplementedError("assignment 1: __init__: go")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = torch.nn.Linear(2, 2)
+            self.heads = torch.nn.ModuleList([Head(2) for _ in range(3)])
+
+    notebook_guard.stand_in(Head, "x.py:Head.__init__")
+    state = {"base.weight": torch.ones(2, 2), "base.bias": torch.zeros(2), "heads.0.proj.weight": torch.ones(3, 2)}
+    model = Model()
+    model.load_state_dict(state)
+    model = model.to(torch.float64).eval()
+    assert len(model.heads) == 3 and torch.equal(model.base.weight, torch.ones(2, 2, dtype=torch.float64))
+    assert set(model.state_dict()) == {"base.weight", "base.bias"}
+    for use in (lambda: model.heads[0](torch.ones(2)), lambda: model.heads[0].proj, lambda: list(model.heads.parameters()),
+                lambda: list(model.parameters())):
+        with pytest.raises(NotImplementedError, match="^assignment 1: __init__: go$"):
+            use()
