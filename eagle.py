@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from feature_drafter import lm_head_rows
 from kv_cache import KVCache
 
 
@@ -55,6 +56,7 @@ class EagleLayer(nn.Module):
 
 class EagleModel(nn.Module):
     """A base model (`base`, frozen) and its EAGLE draft layer (`eagle`)."""
+    taps = None  # it reads the base's last hidden states (verify.Drafter)
 
     def __init__(self, base):
         super().__init__()
@@ -67,6 +69,10 @@ class EagleModel(nn.Module):
     def layers(self):
         """The draft layers, in the order depths use them: EAGLE has one, used at every depth."""
         return [self.eagle]
+
+    def token_head(self, vocab=None):
+        """The head its features are read through: the base's frozen lm_head (over `vocab` only, if given)."""
+        return lm_head_rows(self.base, vocab)
 
 
 NOISE = 0.2             # EAGLE-1: uniform noise U(-0.1, 0.1) on the input features, for robustness to its own errors

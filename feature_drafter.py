@@ -1,16 +1,19 @@
-"""Drafting a tree depth by depth with draft layers of their own: what EAGLE's layer (eagle.py) and
-MTP's modules (mtp.py) share.
+"""Drafting a tree depth by depth with draft layers of their own: what EAGLE's layer (eagle.py), EAGLE-3's
+(eagle3.py) and MTP's modules (mtp.py) share.
 
-A feature drafter's layers read the base model's features (its last hidden states, what lm_head reads)
-and the embedding of a token after them, and predict the next feature; the base's frozen lm_head turns
-a predicted feature into a distribution over the next token. Each layer keeps a KV cache of its own:
+A feature drafter's layers read the base model's features (its last hidden states, what lm_head reads, or,
+for EAGLE-3, the residual stream entering three of its layers) and the embedding of a token after them, and
+predict the next feature; an output head (the base's frozen lm_head, or EAGLE-3's own) turns a predicted
+feature into a distribution over the next token. Each layer keeps a KV cache of its own:
 its entries on the committed text, and, during a step, the entries of the tree drafted so far. So a
 tree is drafted one depth per forward, and every node is drafted for its own parent: the branches of a
 tree get different guesses, where Medusa's heads give every branch the same ones.
 
 A model drafts with this file when it has `base`, `layers` (the draft layers in the order depths use
 them: depth d uses layers[min(d, D) - 1]; each has `ahead`, forward(base, f, tokens, positions, mask,
-cache) and norm_out(out)) and `draft_dtype`, `draft_vocab` (verify.Drafter says why these are free).
+cache) and norm_out(out)), `taps` (None, or the base layers whose input it reads: verify.Drafter),
+token_head(vocab) (the output head's weight (V', C) and the token ids of its rows, or None for all), and
+`draft_dtype`, `draft_vocab` (verify.Drafter says why these are free).
 The tree is a fixed one (rank paths, as Medusa's) or EAGLE-2's dynamic tree (Li et al., arXiv
 2406.16858, section 4), drafted anew every step. Verification is the shared verifier's (verify.py).
 
@@ -24,9 +27,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tree import build_tree_buffers, tree_cuts
 from kv_cache import KVCache
+from tree import build_tree_buffers, tree_cuts
 from verify import Draft, Drafter, speculative_generate
+
+
+def lm_head_rows(base, vocab=None):
+    """The base's frozen lm_head as a drafter's output head: (its weight (V', C), the token ids of its rows),
+    over the token ids `vocab` (V',) only, or all of them (ids None)."""
+    return (base.lm_head.weight, None) if vocab is None else (base.lm_head.weight[vocab], vocab)
+
+
+def base_features(model, seq):
+    """What a feature drafter reads of the base on a text seq (B, T), from one forward: its last hidden states
+    (B, T, C), or, for a drafter that taps layers, their inputs (B, T, len(taps) * C)."""
+    if model.taps is None:
+        return model.base.hidden(seq)
+    return model.base.hidden(seq, taps=model.taps)[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +125,7 @@ class FeatureDrafter(Drafter):
     every step. The tree: a fixed one (rank paths, as Medusa's) or EAGLE-2's DynamicTree."""
 
     def __init__(self, model, tree, device):
-        self.model, self.base, self.layers = model, model.base, model.layers
+        self.model, self.base, self.layers, self.taps = model, model.base, model.layers, model.taps
         self.device = torch.device(device)
         self.tree = as_tree(tree)
         if isinstance(self.tree, DynamicTree):
@@ -122,34 +139,34 @@ class FeatureDrafter(Drafter):
             full = self.trees[max(self.trees)]
             self.nodes, self.max_depth, self.max_entries = len(full.node_paths), full.depth, len(full.node_paths)
             largest_rank = full.topk - 1
-        vocab = self.base.config.vocab_size if model.draft_vocab is None else len(model.draft_vocab)
-        if largest_rank >= vocab:
-            raise ValueError(f"the tree asks for rank {largest_rank} but the drafting vocabulary has {vocab} tokens")
-
-        # Cheaper drafting (model.draft_dtype, model.draft_vocab): the layers in that dtype, and lm_head's
+        # Cheaper drafting (model.draft_dtype, model.draft_vocab): the layers in that dtype, and the output head's
         # rows for the drafting vocabulary.
         base = self.base
+        head, self.vocab = model.token_head(model.draft_vocab)                          # (V', C), (V',) or None
+        if largest_rank >= len(head):
+            raise ValueError(f"the tree asks for rank {largest_rank} but the drafting vocabulary has {len(head)} tokens")
         self.dtype = model.draft_dtype or base.lm_head.weight.dtype
         self.run = [layer if self.dtype == base.lm_head.weight.dtype else copy.deepcopy(layer).to(self.dtype)
                     for layer in self.layers]
-        self.vocab = model.draft_vocab                                                   # (V',) or None
-        self.head = base.lm_head.weight[slice(None) if self.vocab is None else self.vocab].to(self.dtype)  # (V', C)
+        self.head = head.to(self.dtype)                                                  # (V', C)
         self.caches = [KVCache(base.config, extra=self.max_entries, device=self.device, dtype=self.dtype, n_layer=1)
                        for _ in self.layers]
         self.committed = [0] * len(self.layers)  # each cache's committed entries (its tree's come after them)
-        # Features by position: [0] the base's, [l] layer l's outputs on committed tokens (layer l + 1's input).
-        self.features = torch.zeros(len(self.layers), base.config.block_size, base.config.n_embd,
-                                    device=self.device, dtype=self.dtype)            # (D, block_size, C)
+        # Features by position: [0] the base's (C wide, or 3C: the layers EAGLE-3 taps), [l] layer l's outputs on
+        # committed tokens (layer l + 1's input, C wide).
+        C = base.config.n_embd
+        self.features = [torch.zeros(base.config.block_size, C * (len(self.taps) if self.taps and l == 0 else 1),
+                                     device=self.device, dtype=self.dtype) for l in range(len(self.layers))]
         self.known = 0  # base features are known at positions 0 .. known - 1
 
     # -------------------------------------------------------------- once per generation, and after each step
 
     def start(self, state, h):
-        self.features[0, :h.size(0)] = h.to(self.dtype)
+        self.features[0][:h.size(0)] = h.to(self.dtype)
         self.known = h.size(0)
 
     def commit(self, state, kept, h):
-        self.features[0, self.known:self.known + len(kept)] = h[kept].to(self.dtype)  # the accepted nodes' true features
+        self.features[0][self.known:self.known + len(kept)] = h[kept].to(self.dtype)  # the accepted nodes' true features
         self.known += len(kept)
         for cache, length in zip(self.caches, self.committed):
             cache.rollback(length)                                                    # forget the tree's entries
@@ -174,11 +191,11 @@ class FeatureDrafter(Drafter):
         L = tokens.numel() - 1
         for index, (layer, cache) in enumerate(zip(self.run, self.caches)):
             start, end = cache.length, L - layer.ahead + 1          # entries start..end-1 pair with known tokens
-            f = self.features[index, start:end]                                        # (E, C)
+            f = self.features[index][start:end]                                        # (E, C) or (E, 3C)
             out = layer(self.base, f[None], tokens[None, start + layer.ahead:end + layer.ahead],
                         torch.arange(start, end, device=self.device), None, cache)[0]  # (E, C)
             if index + 1 < len(self.layers):
-                self.features[index + 1, start:end] = out                              # the next layer's input
+                self.features[index + 1][start:end] = out                              # the next layer's input
             if index == 0:
                 root_out = out[-1]
             self.committed[index] = cache.length
@@ -309,13 +326,13 @@ def chain_hits(model, seq, start, depth, ranks, features=None, vocab=None):
     seq (B, T): text the base wrote (greedy for greedy trees, sampled for exact sampling's); start:
     the first position whose next token counts (the prompt's last). Returns, per depth, (hits at each
     rank (ranks,), positions counted): texts of different lengths are scored one by one and summed."""
-    w = model.base.lm_head.weight if vocab is None else model.base.lm_head.weight[vocab]   # (V', C)
+    w, ids = model.token_head(vocab)                                            # (V', C), (V',) or None
     B, T = seq.shape
     reached = torch.ones(B, T - 1 - depth, dtype=torch.bool, device=seq.device)
     found = []
     for d, (layer, out) in enumerate(chain_outputs(model, seq, depth, features), start=1):
-        guesses = F.linear(layer.norm_out(out), w).topk(ranks, -1).indices      # (B, n, ranks)
-        guesses = guesses if vocab is None else vocab[guesses]
+        guesses = F.linear(layer.norm_out(out), w.to(out.dtype)).topk(ranks, -1).indices  # (B, n, ranks)
+        guesses = guesses if ids is None else ids[guesses]
         hits = guesses == seq[:, d + 1:d + 1 + out.size(1), None]               # token i + d + 1: (B, n, ranks)
         counted = reached[:, start:]                                            # positions whose path is in reach
         found.append((hits[:, start:][counted].float().sum(0).cpu(), int(counted.sum())))
@@ -323,27 +340,35 @@ def chain_hits(model, seq, start, depth, ranks, features=None, vocab=None):
     return found
 
 
-@torch.no_grad()
-def chain_outputs(model, seq, depth, features=None):
+def chain_mask(n, chains, device=None):
+    """(n, n * (chains + 1)) bool: what a draft layer's entry at position i sees when it drafts on its own
+    predictions, `chains` steps past its true entries: its true entries up to i (causal), then, in each step
+    since, only its own chain's entry, at i (the diagonal). Decoding sees exactly this on a tree's path
+    (FeatureDrafter's tree mask); EAGLE-3's training-time test trains on it (eagle3.py)."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.cat([causal] + [torch.eye(n, dtype=torch.bool, device=device)] * chains, 1)
+
+
+def unroll(model, seq, depth, features=None, new_cache=None):
     """Teacher-forced drafting along a text: for d = 1 .. depth, (the layer that drafts depth d, its
     outputs (B, n, C) at every position i = 0 .. n-1, n = T - 1 - depth), the entry at position i being
     the one a step whose root is t_{i+1} would draft depth d with, had its earlier drafts been the
     text's tokens. Each depth is fed the text's token and the layer's own predicted feature.
 
-    features (B, T, C): the base's at seq, when already at hand (default: a forward). One forward per
-    depth on a batch cache per layer: layer d runs causally over its true entries;
-    past the last layer, the last layer's entry at i sees its true entries up to i and its own chain."""
+    features (B, T, C) (or 3C: the layers a drafter taps): the base's at seq, when already at hand (default:
+    a forward). One forward per depth on a batch cache per layer: layer d runs causally over its true
+    entries; past the last layer, the last layer's entry at i sees its true entries up to i and its own chain
+    (chain_mask). new_cache: makes each layer's cache (default a KVCache; training passes one that keeps
+    the gradients). chain_outputs runs this without gradients; EAGLE-3's training-time test with them."""
     base, layers = model.base, model.layers
     B, T = seq.shape
     D = len(layers)
-    f = base.hidden(seq) if features is None else features.to(base.lm_head.weight.dtype)  # (B, T, C)
+    f = base_features(model, seq) if features is None else features                 # (B, T, C) or (B, T, 3C)
     n = T - 1 - depth                                                                # positions with a token depth + 1 ahead
-    caches = [KVCache(base.config, batch_size=B, capacity=T * (depth + 1), device=seq.device, dtype=f.dtype,
-                      n_layer=1) for _ in layers]
+    caches = [new_cache() if new_cache else KVCache(base.config, batch_size=B, capacity=T * (depth + 1),
+                                                    device=seq.device, dtype=f.dtype, n_layer=1) for _ in layers]
     positions = torch.arange(n, device=seq.device)
     out = layers[0](base, f[:, :n], seq[:, 1:n + 1], positions, None, caches[0])     # (B, n, C): layer 1's entries
-    eye = torch.eye(n, dtype=torch.bool, device=seq.device)
-    mask = torch.ones(n, n, dtype=torch.bool, device=seq.device).tril()            # a layer's true entries up to i
     for d in range(1, depth + 1):                                                   # out: the entries drafting depth d
         yield layers[min(d, D) - 1], out
         if d == depth:
@@ -352,13 +377,22 @@ def chain_outputs(model, seq, depth, features=None):
         if d < D:  # layer d + 1: along the text its entries are all true ones, causal
             out = layers[d](base, out, tokens, positions, None, caches[d])
         else:      # the last layer again, each entry on its own chain: its true entries up to i, then its own
-            mask = torch.cat([mask, eye], 1)                                        # (n, n * (d - D + 2))
-            out = layers[-1](base, out, tokens, positions + d + 1 - D, mask, caches[-1])
+            out = layers[-1](base, out, tokens, positions + d + 1 - D, chain_mask(n, d + 1 - D, seq.device),
+                             caches[-1])
+
+
+@torch.no_grad()
+def chain_outputs(model, seq, depth, features=None):
+    """unroll, without gradients: what the accuracies a tree is grown from read."""
+    yield from unroll(model, seq, depth, None if features is None else features.to(model.base.lm_head.weight.dtype))
 
 
 @torch.no_grad()
 def chain_proposals(model, seq, h, t, depth, ranks):
-    """The layers' top tokens at each depth along each draw's own path (the entries at position t - 1)."""
-    w = model.base.lm_head.weight
-    outs = [layer.norm_out(out[:, t - 1]) for layer, out in chain_outputs(model, seq, depth, h)]  # D x (draws, C)
-    return F.linear(torch.stack(outs, 1), w).topk(ranks, -1).indices                            # (draws, D, ranks)
+    """The layers' top tokens at each depth along each draw's own path (the entries at position t - 1); h: the
+    base's last hidden states on seq (read again where the drafter taps other layers)."""
+    w, ids = model.token_head()
+    outs = [layer.norm_out(out[:, t - 1]) for layer, out in chain_outputs(model, seq, depth,
+                                                                          h if model.taps is None else None)]
+    top = F.linear(torch.stack(outs, 1), w).topk(ranks, -1).indices                           # (draws, D, ranks)
+    return top if ids is None else ids[top]

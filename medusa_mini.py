@@ -19,8 +19,8 @@ from verify import Draft, Drafter, check_request, sample_token, speculative_gene
 # ----------------------------------------------------------------------------------------------
 # The base model: a GPT-2 style decoder whose attention takes an explicit mask, positions and cache.
 # Every base (this GPT, smollm.Llama) answers to the same names, which the drafters use: config
-# (n_embd, n_layer, n_kv_head, head_dim, vocab_size, block_size), embed, run_blocks, hidden, lm_head,
-# new_block and new_norm.
+# (n_embd, n_layer, n_kv_head, head_dim, vocab_size, block_size), embed, run_blocks, hidden (with `taps`: the
+# residual stream entering chosen layers, which EAGLE-3 reads), lm_head, new_block and new_norm.
 
 @dataclass
 class GPTConfig:
@@ -41,14 +41,14 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, n_in: int | None = None):
         super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.c_attn = nn.Linear(n_in or config.n_embd, 3 * config.n_embd)  # n_in: EAGLE-3's layer reads 2C
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x, mask, cache: KVCache | None, layer: int):
-        B, T, C = x.size()
+        B, T, C = *x.shape[:2], self.n_embd
         q, k, v = self.c_attn(x).split(C, dim=2)                             # (B, T, 3C) -> 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in (q, k, v))                                        # (B, T, C) -> (B, nh, T, hs)
@@ -63,16 +63,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, input_norm: bool = True):
+    def __init__(self, config: GPTConfig, input_norm: bool = True, attn_in: int | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd) if input_norm else nn.Identity()
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, attn_in)
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
                                  nn.Linear(4 * config.n_embd, config.n_embd))
 
-    def forward(self, x, mask, cache, layer):
-        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+    def forward(self, x, mask, cache, layer, attn_input=None):
+        """attn_input: what attention reads instead of ln_1(x) (EAGLE-3's draft layer); x stays the residual."""
+        x = x + self.attn(self.ln_1(x) if attn_input is None else attn_input, mask, cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -100,25 +101,32 @@ class GPT(nn.Module):
         Positions enter here and nowhere else in a GPT (a Llama rotates them into attention instead)."""
         return self.wte(idx) + self.wpe(position_ids)
 
-    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None):
+    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None, taps=None,
+                   attn_input=None):
         """x (B, T, C) through `blocks` in order (blocks[i] writes layer i of the cache), then the cache
         counts the T new entries. attn_mask (T, T) as in hidden(). Returns (B, T, C), before any final
-        norm. position_ids are already in x (embed): the GPT's blocks take none."""
+        norm; with taps (layer indices), also [x entering each tapped block] (index len(blocks): after
+        the last). position_ids are already in x (embed): the GPT's blocks take none. attn_input: what
+        the one block's attention reads instead of its normed input (EAGLE-3's draft layer)."""
         mask = cache_mask(attn_mask, x.size(1), cache, x.dtype, x.device)   # (T, S+T) or None
+        entering = []
         for layer, block in enumerate(blocks):
-            x = block(x, mask, cache, layer)
+            entering.append(x)
+            x = block(x, mask, cache, layer, attn_input)
         if cache is not None:
             cache.advance(x.size(1))
-        return x
+        return x if taps is None else (x, [(entering + [x])[i] for i in taps])
 
-    def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None):
+    def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None, taps=None):
         """Last hidden states h (B, T, C), after the final layer norm.
 
         idx (B, T) new tokens. With a cache they sit after its S committed entries.
         position_ids (T,): default S, S+1, ... A tree passes depth + S; the caller keeps those
         below block_size (checking them here would read them back from the device every step).
         attn_mask (T, T) among the new tokens, bool (True = may attend) or additive (0 or -inf);
-        default causal; a tree passes its own. Every new token also sees all S committed tokens."""
+        default causal; a tree passes its own. Every new token also sees all S committed tokens.
+        taps (layer indices): also return the residual stream entering those layers, concatenated,
+        (B, T, len(taps) * C): (h, features), from the same forward."""
         T = idx.size(1)
         S = cache.length if cache is not None else 0
         if position_ids is None:
@@ -126,17 +134,21 @@ class GPT(nn.Module):
                 raise ValueError(f"{S + T} positions do not fit in block_size={self.config.block_size}")
             position_ids = self.positions[S:S + T]                      # (T,): a view, nothing computed
         x = self.embed(idx, position_ids)                               # (B, T, C)
-        return self.ln_f(self.run_blocks(self.h, x, position_ids, attn_mask, cache))
+        if taps is None:
+            return self.ln_f(self.run_blocks(self.h, x, position_ids, attn_mask, cache))
+        x, tapped = self.run_blocks(self.h, x, position_ids, attn_mask, cache, taps)
+        return self.ln_f(x), torch.cat(tapped, dim=-1)                  # (B, T, C), (B, T, len(taps) * C)
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Next-token logits (B, T, V)."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
 
-    def new_block(self, input_norm: bool = True) -> Block:
+    def new_block(self, input_norm: bool = True, attn_in: int | None = None) -> Block:
         """A fresh block of this model's kind, on its device and in its dtype (for a drafter's own layer).
-        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none)."""
+        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none); attn_in: the width
+        its attention reads (EAGLE-3's reads 2C), default C."""
         w = self.lm_head.weight
-        return Block(self.config, input_norm).to(device=w.device, dtype=w.dtype)
+        return Block(self.config, input_norm, attn_in).to(device=w.device, dtype=w.dtype)
 
     def new_norm(self) -> nn.Module:
         """A fresh final norm of this model's kind (LayerNorm), on its device and in its dtype."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from feature_drafter import lm_head_rows
 from kv_cache import KVCache
 
 
@@ -52,6 +53,7 @@ class MTPModule(nn.Module):
 
 class MTPModel(nn.Module):
     """A base model (`base`) trained with D MTP modules (`mtp`)."""
+    taps = None  # module 1 reads the base's last hidden states (verify.Drafter)
 
     def __init__(self, base, depth: int = 1):
         super().__init__()
@@ -66,6 +68,10 @@ class MTPModel(nn.Module):
     def layers(self):
         """The draft layers, in the order depths use them (feature_drafter.FeatureDrafter): module k drafts depth k."""
         return list(self.mtp)
+
+    def token_head(self, vocab=None):
+        """The shared output head: the base's lm_head (over `vocab` only, if given)."""
+        return lm_head_rows(self.base, vocab)
 
 
 def mtp_losses(model: MTPModel, h, x):

@@ -72,16 +72,17 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     """Grouped-query attention: nh query heads share nkv key/value heads (the cache holds only nkv)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, n_in: int | None = None):
         super().__init__()
         self.n_head, self.n_kv_head, self.hs = config.n_head, config.n_kv_head, config.head_dim
-        self.q = nn.Linear(config.n_embd, config.n_head * self.hs, bias=False)
-        self.k = nn.Linear(config.n_embd, config.n_kv_head * self.hs, bias=False)
-        self.v = nn.Linear(config.n_embd, config.n_kv_head * self.hs, bias=False)
+        n_in = n_in or config.n_embd  # EAGLE-3's draft layer reads 2C
+        self.q = nn.Linear(n_in, config.n_head * self.hs, bias=False)
+        self.k = nn.Linear(n_in, config.n_kv_head * self.hs, bias=False)
+        self.v = nn.Linear(n_in, config.n_kv_head * self.hs, bias=False)
         self.o = nn.Linear(config.n_head * self.hs, config.n_embd, bias=False)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
-        B, T, C = x.size()
+        B, T, C = *x.shape[:2], self.n_head * self.hs
         q = self.q(x).view(B, T, self.n_head, self.hs).transpose(1, 2)     # (B, T, C) -> (B, nh, T, hs)
         k = self.k(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, T, nkv*hs) -> (B, nkv, T, hs)
         v = self.v(x).view(B, T, self.n_kv_head, self.hs).transpose(1, 2)  # (B, T, nkv*hs) -> (B, nkv, T, hs)
@@ -115,15 +116,16 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, input_norm: bool = True):
+    def __init__(self, config: LlamaConfig, input_norm: bool = True, attn_in: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(config.n_embd, config.norm_eps) if input_norm else nn.Identity()
-        self.attn = Attention(config)
+        self.attn = Attention(config, attn_in)
         self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask, cache, layer, attn_input=None):
+        """attn_input: what attention reads instead of attn_norm(x) (EAGLE-3's draft layer); x stays the residual."""
+        x = x + self.attn(self.attn_norm(x) if attn_input is None else attn_input, cos, sin, mask, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,20 +144,23 @@ class Llama(nn.Module):
         enter here: attention rotates them into queries and keys (RoPE, run_blocks)."""
         return self.tok_embed(idx)
 
-    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None):
+    def run_blocks(self, blocks, x, position_ids, attn_mask=None, cache: KVCache | None = None, taps=None,
+                   attn_input=None):
         """x (B, T, C) through `blocks` in order (blocks[i] writes layer i of the cache), each token
         rotated to its position_ids (T,); then the cache counts the T new entries. attn_mask as in
-        hidden(). Returns (B, T, C), before the final norm."""
+        hidden(). Returns (B, T, C), before the final norm; taps and attn_input as GPT.run_blocks's."""
         mask = cache_mask(attn_mask, x.size(1), cache, x.dtype, x.device)   # (T, S+T) or None
         cos, sin = rope_angles(position_ids, self.config.head_dim, self.config.rope_base)  # 2 x (T, hs/2)
+        entering = []
         for layer, block in enumerate(blocks):
-            x = block(x, cos, sin, mask, cache, layer)
+            entering.append(x)
+            x = block(x, cos, sin, mask, cache, layer, attn_input)
         if cache is not None:
             cache.advance(x.size(1))
-        return x
+        return x if taps is None else (x, [(entering + [x])[i] for i in taps])
 
-    def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None):
-        """Last hidden states h (B, T, C), after the final RMSNorm: the contract of GPT.hidden.
+    def hidden(self, idx, position_ids=None, attn_mask=None, cache: KVCache | None = None, taps=None):
+        """Last hidden states h (B, T, C), after the final RMSNorm: the contract of GPT.hidden (taps too).
 
         idx (B, T) new tokens after the cache's S entries; position_ids (T,) default S, S+1, ...;
         attn_mask (T, T) among the new tokens, bool or additive (default causal); every new token sees all S cached ones.
@@ -165,17 +170,21 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, S + T, device=idx.device)
         x = self.embed(idx, position_ids)                                   # (B, T, C)
-        return self.norm(self.run_blocks(self.blocks, x, position_ids, attn_mask, cache))
+        if taps is None:
+            return self.norm(self.run_blocks(self.blocks, x, position_ids, attn_mask, cache))
+        x, tapped = self.run_blocks(self.blocks, x, position_ids, attn_mask, cache, taps)
+        return self.norm(x), torch.cat(tapped, dim=-1)                      # (B, T, C), (B, T, len(taps) * C)
 
     def forward(self, idx, position_ids=None, attn_mask=None, cache=None):
         """Next-token logits (B, T, V)."""
         return self.lm_head(self.hidden(idx, position_ids, attn_mask, cache))
 
-    def new_block(self, input_norm: bool = True) -> LlamaBlock:
+    def new_block(self, input_norm: bool = True, attn_in: int | None = None) -> LlamaBlock:
         """A fresh block of this model's kind, on its device and in its dtype (for a drafter's own layer).
-        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none)."""
+        input_norm=False leaves out the block's first norm (EAGLE's draft layer has none); attn_in: the width
+        its attention reads (EAGLE-3's reads 2C), default C."""
         w = self.lm_head.weight
-        return LlamaBlock(self.config, input_norm).to(device=w.device, dtype=w.dtype)
+        return LlamaBlock(self.config, input_norm, attn_in).to(device=w.device, dtype=w.dtype)
 
     def new_norm(self) -> nn.Module:
         """A fresh final norm of this model's kind (RMSNorm), on its device and in its dtype."""

@@ -73,15 +73,19 @@ class Drafter:
     their layers' own KV caches). The tree may change from step to step (EAGLE-2 ranks its nodes
     by confidence every step); the verifier only needs each step's buffers.
     `nodes`: the most nodes, root included, a proposed tree can have (the base cache's room).
+    `taps`: None, and the drafter reads the base's last hidden states (h, C wide); or the layers whose input it
+    reads instead (EAGLE-3: three of them, concatenated, 3C wide), which the same forwards return.
 
     Drafts are only proposals: whatever tokens a drafter proposes, verification by the base keeps the
     output exact. So a drafter is free to draft cheaply, and the models carry two settings for it:
     `draft_dtype` (draft in another dtype, e.g. bfloat16 weights read half the bytes) and `draft_vocab`
     (token ids to draft over, e.g. those the drafter was trained on); None: as the base."""
     nodes: int = 1
+    taps: tuple | None = None
 
     def start(self, state: "DecodeState", h):
-        """After the prompt's forward: h (S, C), the base's last hidden states at every prompt position."""
+        """After the prompt's forward: h (S, C), the base's last hidden states at every prompt position (or
+        its features at the layers in `taps`)."""
         raise NotImplementedError
 
     def propose(self, state: "DecodeState", root, depth: int) -> Draft:
@@ -91,7 +95,8 @@ class Drafter:
 
     def commit(self, state: "DecodeState", kept: list[int], h):
         """After the step: kept, the accepted node indices (root first, host ints); h (N, C), the tree
-        pass's hidden states (h[kept[-1]] is where the next step starts); state.tokens, committed."""
+        pass's hidden states, or its features at `taps` (h[kept[-1]] is where the next step starts);
+        state.tokens, committed."""
         raise NotImplementedError
 
 
@@ -120,34 +125,44 @@ class DecodeStats:
 # ----------------------------------------------------------------------------------------------
 # The step
 
-def prefill(base, idx, extra: int = 0):
+def base_pass(base, idx, position_ids=None, attn_mask=None, cache=None, taps=None):
+    """One forward of the base: (its last hidden states h (T, C), what the drafter reads: h itself, or the
+    residual stream entering the layers in `taps`, concatenated (T, len(taps) * C)), for one sequence."""
+    if taps is None:
+        h = base.hidden(idx, position_ids, attn_mask, cache)[0]              # (1, T, C) -> (T, C)
+        return h, h
+    h, features = base.hidden(idx, position_ids, attn_mask, cache, taps)    # (1, T, C), (1, T, 3C)
+    return h[0], features[0]
+
+
+def prefill(base, idx, extra: int = 0, taps=None):
     """Run the prompt (1, S) once; keep its cache and the logits at its last position.
     `extra` cache slots beyond block_size hold the tree nodes being verified.
-    Returns (DecodeState, h (S, C): the hidden states at every prompt position, for the drafter)."""
+    Returns (DecodeState, the drafter's features at every prompt position: h (S, C), or those at `taps`)."""
     S = idx.size(1)
     cache = KVCache(base.config, extra=extra, device=idx.device, dtype=base.lm_head.weight.dtype)
     buffer = idx.new_zeros(1, base.config.block_size)
     buffer[:, :S] = idx
-    h = base.hidden(idx, cache=cache)[0]  # (1, S, C) -> (S, C)
-    return DecodeState(buffer[:, :S], buffer, cache, base.lm_head(h[-1])), h
+    h, features = base_pass(base, idx, cache=cache, taps=taps)
+    return DecodeState(buffer[:, :S], buffer, cache, base.lm_head(h[-1])), features
 
 
-def tree_decoding(base, tree_tokens, buffers: TreeBuffers, cache: KVCache):
+def tree_decoding(base, tree_tokens, buffers: TreeBuffers, cache: KVCache, taps=None):
     """Step 2: one forward over all N tree nodes on top of the S cached tokens (S + N entries after it).
 
     tree_tokens (N,) in node order. Before: cache.length == S, the committed tokens
     (state.tokens.size(1) before the step). Each node sits at position S + its depth and sees the
     S committed tokens, its ancestors and itself (buffers.attn_bias). After: cache.length == S + N,
-    node n's entry in slot S + n. Returns hidden states (N, C) and base logits (N, V);
-    logits[n] predicts the token after node n. ValueError if the deepest node would sit at or
-    past block_size."""
+    node n's entry in slot S + n. Returns the drafter's features (N, C): the hidden states, or those at
+    `taps` (Drafter.taps) and base logits (N, V); logits[n] predicts the token after node n. ValueError if
+    the deepest node would sit at or past block_size."""
     S, block = cache.length, base.config.block_size
     if S + buffers.depth >= block:
         raise ValueError(f"a {buffers.depth}-deep tree after {S} tokens does not fit in block_size={block}: "
                          f"cut the tree")
     position_ids = S + buffers.position_ids                                 # (N,): each node at S + its depth
-    h = base.hidden(tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache)[0]  # (N, C)
-    return h, base.lm_head(h)
+    h, features = base_pass(base, tree_tokens.view(1, -1), position_ids, buffers.attn_bias, cache, taps)  # (N, C)
+    return features, base.lm_head(h)
 
 
 class Accepted(NamedTuple):
@@ -286,7 +301,7 @@ def verify_step(base, drafter: Drafter, state: DecodeState, depth: int, temperat
     varied, not the model's distribution); "exact" walks the tree and keeps the model's distribution."""
     exact = temperature > 0 and sampling == "exact"
     draft = drafter.propose(state, choose_root(state, temperature, sampling), depth)   # 1
-    h, logits = tree_decoding(base, draft.tokens, draft.buffers, state.cache)          # 2
+    h, logits = tree_decoding(base, draft.tokens, draft.buffers, state.cache, drafter.taps)  # 2
     buffers, stopped = draft.buffers, False
     if exact:                                                                           # 3
         walked, state.root = sample_tree_walk(logits, draft.tokens, buffers, temperature)
@@ -318,7 +333,7 @@ def speculative_generate(base, drafter: Drafter, idx, max_new_tokens: int, tempe
     the list of token ids it committed (a read from the device per step)."""
     check_request(base, idx, max_new_tokens, temperature, sampling)
     stop = torch.tensor(list(stop_tokens), device=idx.device) if stop_tokens else None  # (k,)
-    state, h = prefill(base, idx, extra=drafter.nodes)
+    state, h = prefill(base, idx, extra=drafter.nodes, taps=drafter.taps)
     drafter.start(state, h)
     if temperature > 0 and sampling == "exact":
         state.root = sample_token(state.logits, temperature)

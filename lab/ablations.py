@@ -190,7 +190,7 @@ def eagle_budget(out, device, threads=None, sizes=(8, 16)):
                                                              vocab.to(device)))}
     for label, n, steps in ((f"{len(h) // 2} answers, {run.eagle_steps} steps", len(h) // 2, run.eagle_steps),
                             (f"{len(h)} answers, {run.eagle_steps // 2} steps", len(h), run.eagle_steps // 2)):
-        other = kind.model(model.base, **kind.config(run)).eval()
+        other = kind.model(model.base, **kind.config(run, model.base)).eval()
         t0 = time.time()
         with torch.enable_grad():
             data = TrainingData(smollm_stages.stored_batches(h[:n], y[:n], device), vocab=vocab.to(device))

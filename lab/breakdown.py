@@ -44,7 +44,7 @@ def timed_generation(kind, model, prompt, tree, n_new):
     step timed, the drafter's own calls timed inside it: ({"step", "propose", "commit"}: ms per step)."""
     device = prompt.device
     drafter = TimedDrafter(kind.drafter(model, tree, device), device)
-    state, h = prefill(model.base, prompt, extra=drafter.nodes)
+    state, h = prefill(model.base, prompt, extra=drafter.nodes, taps=drafter.taps)
     drafter.start(state, h)
     steps, end = [], prompt.size(1) + n_new
     while state.tokens.size(1) < end - 1:
@@ -66,14 +66,14 @@ def breakdown(kind, model, prompt, tree, n_new=128, rounds=9):
     medians over rounds. Returns the figures; prints the table."""
     device = prompt.device
     drafter = kind.drafter(model, tree, device)
-    state, h = prefill(model.base, prompt, extra=drafter.nodes)
+    state, h = prefill(model.base, prompt, extra=drafter.nodes, taps=drafter.taps)
     drafter.start(state, h)
     S = state.tokens.size(1)
     draft = drafter.propose(state, state.logits.argmax(-1), n_new)
     buffers = draft.buffers
 
     def tree_pass():
-        out = tree_decoding(model.base, draft.tokens, buffers, state.cache)
+        out = tree_decoding(model.base, draft.tokens, buffers, state.cache, drafter.taps)
         state.cache.rollback(S)
         return out
     _, logits = tree_pass()

@@ -73,6 +73,7 @@ class Checkpoint:
     train: tuple | None = None                     # SmolLM2's distillation: (h, y, start) of the training answers
     held_out: tuple | None = None                  # ... of the held-out answers, greedy
     held_out_sampled: tuple | None = None          # ... sampled (the exact-sampling trees)
+    features: torch.Tensor | None = None           # SmolLM2's: the training answers' features at the layers EAGLE-3 taps
     format: int = FORMAT
 
     def to_dict(self) -> dict:
@@ -88,7 +89,7 @@ FIELD_TYPES = {
     "history": (dict, type(None)), "metrics": (dict, type(None)), "trees": dict, "tokenizer": (dict, type(None)),
     "run": (dict, type(None)), "draft_vocab": (torch.Tensor, type(None)), "tokens": (torch.Tensor, type(None)),
     "train": (TRIPLE, type(None)), "held_out": (TRIPLE, type(None)), "held_out_sampled": (TRIPLE, type(None)),
-    "format": int}
+    "features": (torch.Tensor, type(None)), "format": int}
 
 
 def _fits(value, kind) -> bool:

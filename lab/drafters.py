@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import eagle
+import eagle3
 import medusa_mini
 import mtp
 from feature_drafter import DynamicTree, FeatureDrafter, chain_hits, chain_proposals, feature_generate
@@ -60,7 +61,7 @@ class DrafterKind:
     model: type               # model(base, **config): the base and the drafter's weights (.base, .draft_dtype, ...)
     drafter: type             # drafter(model, tree, device): the verify.Drafter one generation drafts with
     generate: Callable        # generate(model, idx, n, tree, temperature, sampling, ..., stop_tokens, stream)
-    config: Callable          # config(run) -> model's keyword arguments (stored in the checkpoint)
+    config: Callable          # config(run, base, data=None) -> model's keyword arguments (stored in the checkpoint)
     hits: Callable            # hits(model, seq, start, depth, ranks, features, vocab): how often a draft is right
     depth: Callable           # depth(model, run): how deep its trees may grow
     extra_trees: Callable     # extra_trees(model, order, chosen, run) -> {label: tree}: more trees the report times
@@ -69,6 +70,7 @@ class DrafterKind:
     settings: tuple = ()      # its Settings
     stages: Callable = field(default=lambda run: [])  # stages(run) -> [TrainingStage], in order (the last: NAME.pt)
     trained_with_base: bool = False   # its weights are trained with the base (MTP): the base's stage trains them
+    taps: Callable = field(default=lambda base: None)  # taps(base): the base layers whose input it reads (EAGLE-3)
     distilled: Callable = field(default=lambda run: True)  # whether it trains on self-distilled text (the tiny GPT)
     outputs: Callable = field(default=lambda run: 1)  # vocabulary-sized outputs per position in training (the plan)
     check: Callable = field(default=lambda given, drafters: None)  # refuses (UsageError) flags that do not go together
@@ -149,7 +151,7 @@ MEDUSA_SETTINGS = (
 register(DrafterKind(
     name="medusa", model=medusa_mini.MedusaModel, drafter=medusa_mini.MedusaDrafter,
     generate=medusa_mini.medusa_generate, settings=MEDUSA_SETTINGS,
-    config=lambda run: {"num_heads": run.num_heads, "share_lm_head": run.share_lm_head},
+    config=lambda run, base, data=None: {"num_heads": run.num_heads, "share_lm_head": run.share_lm_head},
     hits=medusa_mini.head_hits, depth=lambda model, run: len(model.heads), extra_trees=medusa_extra_trees,
     proposals=medusa_mini.head_proposals, conditional=False, stages=medusa_stages,
     outputs=lambda run: run.num_heads, distilled=lambda run: run.distill, check=medusa_check,
@@ -172,13 +174,39 @@ register(DrafterKind(
         Setting("eagle_loss", "eagle1", "EAGLE's loss: eagle1 (feature and tokens) or tokens (ablation.py "
                 "--eagle-loss)", cli.choice(*eagle.LOSSES), bases=GPT_ONLY),
     ),
-    config=lambda run: {}, hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
+    config=lambda run, base, data=None: {}, hits=chain_hits, depth=lambda model, run: run.eagle_depth,
+    extra_trees=dynamic_tree,
     proposals=chain_proposals, conditional=True,
     stages=lambda run: [TrainingStage("eagle", train_drafters.train_eagle, lambda run: run.eagle_steps)],
     exports=formats.EAGLE_TARGETS))
 
 register(DrafterKind(
     name="mtp", model=mtp.MTPModel, drafter=FeatureDrafter, generate=feature_generate,
-    config=lambda run: {"depth": run.mtp_modules}, hits=chain_hits, depth=lambda model, run: run.eagle_depth,
+    config=lambda run, base, data=None: {"depth": run.mtp_modules}, hits=chain_hits,
+    depth=lambda model, run: run.eagle_depth,
     extra_trees=dynamic_tree, proposals=chain_proposals, conditional=True, trained_with_base=True,
     distilled=lambda run: False))
+
+
+def eagle3_config(run, base, data=None):
+    """The layers it reads (eagle3.feature_layers) and its vocabulary's size: the training text's tokens (SmolLM2),
+    or all of them."""
+    vocab = None if data is None else data.vocab
+    return {"taps": list(eagle3.feature_layers(base.config.n_layer)),
+            "draft_vocab_size": base.config.vocab_size if vocab is None else len(vocab)}
+
+
+register(DrafterKind(
+    name="eagle3", model=eagle3.Eagle3Model, drafter=FeatureDrafter, generate=feature_generate,
+    settings=(
+        Setting("eagle3_steps", 300, "EAGLE-3's training steps", STEPS),
+        Setting("eagle3_lr", 2e-3, "EAGLE-3's learning rate", RATE),
+        Setting("eagle3_ttt", 4, "EAGLE-3's training-time test: steps the layer is unrolled on its own predictions "
+                "per batch (1: none; the reference 7)", cli.integer(1, 16)),
+        Setting("eagle3_decay", eagle3.DECAY, "EAGLE-3: step j of the training-time test weighs this to the power j",
+                cli.number(0, 1, low_open=True)),
+    ),
+    config=eagle3_config, hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
+    proposals=chain_proposals, conditional=True, outputs=lambda run: run.eagle3_ttt,
+    taps=lambda base: eagle3.feature_layers(base.config.n_layer),
+    stages=lambda run: [TrainingStage("eagle3", train_drafters.train_eagle3, lambda run: run.eagle3_steps)]))

@@ -86,8 +86,9 @@ def distill_settings(run):
     return {**base_settings(run), **settings_for(run, {"distill"})}
 
 
-def upstream(run, distilled):
-    """What a drafter's stage rests on: (the settings of the stages it is made from, their files)."""
+def upstream(run, distilled, taps=None):
+    """What a drafter's stage rests on: (the settings of the stages it is made from, their files). Features at
+    other layers (taps) come from the same forwards as the hidden states: no file of their own."""
     if distilled:
         return distill_settings(run), ["base.pt", "distill.pt"]
     return base_settings(run), ["base.pt"]
@@ -279,9 +280,10 @@ def distill_text(run, base, train_ids, common):
 
 
 def feature_batches(base, run, text=None, train_ids=None):
-    """batches(seed) -> batches(step) -> (h, y): the frozen base's hidden states on random rows of the
-    self-distilled text (or, without it, windows of the corpus), and the next tokens."""
-    def seeded(seed):
+    """batches(seed, taps=None) -> batches(step) -> (h, y): the frozen base's hidden states on random rows of the
+    self-distilled text (or, without it, windows of the corpus), and the next tokens; with taps, also the
+    residual stream entering those layers (from the same forward): (h, y, features)."""
+    def seeded(seed, taps=None):
         def batches(step):
             g = step_generator(seed, step)
             if text is not None:
@@ -289,8 +291,8 @@ def feature_batches(base, run, text=None, train_ids=None):
             else:
                 x, y = corpus_batch(train_ids, run.batch_size, run.seq_len, g, run.device)
             with torch.no_grad(), autocast(run.device):
-                h = base.hidden(x)                                            # (B, T, C): frozen, no graph
-            return h, y
+                out = base.hidden(x, taps=taps)                               # (B, T, C) [, (B, T, 3C)]: frozen
+            return (out, y) if taps is None else (out[0], y, out[1])
         return batches
     return seeded
 

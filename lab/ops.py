@@ -69,7 +69,7 @@ def count_ops(kind, model, prompt, tree, n_new=64, **decode_kwargs):
 
         def start():  # what a generation does before its first step
             drafter = kind.drafter(model, tree, prompt.device)
-            state, h = prefill(model.base, prompt, extra=drafter.nodes)
+            state, h = prefill(model.base, prompt, extra=drafter.nodes, taps=drafter.taps)
             drafter.start(state, h)
         counts = []
         for fn in (lambda: generate(model.base, prompt, n_plain), lambda: generate(model.base, prompt, 2 * n_plain),

@@ -38,7 +38,7 @@ def planned(run, base_kind, kinds) -> dict:
     """{file name: StageRecord (parents aside)} of every stage the run would write: what preflight checks."""
     out = base_kind.stages.plan_stages(run, kinds)
     for kind in kinds:
-        upstream, _ = base_kind.stages.upstream(run, kind.distilled(run))
+        upstream, _ = base_kind.stages.upstream(run, kind.distilled(run))  # (the taps' file is checked as it runs)
         for stage in kind.stages(run):
             out[f"{stage.file}.pt"] = StageRecord(kind.name, stage_settings(kind, run, upstream, stage.settings))
         if kind.trained_with_base:
@@ -49,8 +49,9 @@ def planned(run, base_kind, kinds) -> dict:
 def train(kind, run, base_kind, prep):
     """A drafter trained on the frozen base, stage by stage (each reused when it is finished), or, for one the
     base trained with itself, the base stage's model; saved as NAME.pt. Returns (model, training metrics)."""
-    upstream, parents = base_kind.stages.upstream(run, kind.distilled(run))
-    common = dict(prep.common, drafter=DrafterInfo(kind.name, kind.config(run)), draft_vocab=prep.data.vocab)
+    upstream, parents = base_kind.stages.upstream(run, kind.distilled(run), kind.taps(prep.base))
+    config = kind.config(run, prep.base, prep.data)
+    common = dict(prep.common, drafter=DrafterInfo(kind.name, config), draft_vocab=prep.data.vocab)
     if kind.trained_with_base:
         model, metrics, info = prep.with_base(kind)
         metrics["parameters"] = report.parameters(model)
@@ -58,7 +59,7 @@ def train(kind, run, base_kind, prep):
                       checkpoints.parents_of(run.out, parents), dict(common, base=info))
         stage.save(True, model=drafter_state(base_kind, model), metrics=metrics)
         return model.eval(), metrics
-    model = kind.model(prep.base, **kind.config(run)).to(run.device)
+    model = kind.model(prep.base, **config).to(run.device)
     metrics = {}
     for stage_kind in kind.stages(run):
         stage = Stage(run, f"{stage_kind.file}.pt", kind.name, stage_settings(kind, run, upstream, stage_kind.settings),

@@ -36,7 +36,7 @@ def drafter_parameters(config: GPTConfig, run) -> dict:
     """{name: the drafter's own parameters} for the run's drafters, from models built on the meta device."""
     with torch.device("meta"):
         base = GPT(config)
-        return {name: report.parameters(drafters.get(name).model(base, **drafters.get(name).config(run)))
+        return {name: report.parameters(drafters.get(name).model(base, **drafters.get(name).config(run, base)))
                 for name in run.drafters}
 
 
@@ -80,7 +80,7 @@ def report_modes_count(run) -> int:
                        n_embd=run.n_embd)
     with torch.device("meta"):
         base = GPT(config)
-        extra = sum(len(drafters.get(name).extra_trees(drafters.get(name).model(base, **drafters.get(name).config(run)),
+        extra = sum(len(drafters.get(name).extra_trees(drafters.get(name).model(base, **drafters.get(name).config(run, base)),
                                                         [(0,)], [(0,)], run)) for name in run.drafters)
     return 2 + 4 * len(run.drafters) + extra
 

@@ -47,39 +47,73 @@ COST_SIZES, COST_REPEATS, COST_TOKENS = (2, 4, 6, 8, 12, 16, 24, 32), 2, 32  # t
 # ---------------------------------------------------------------------------------------- 2. distill
 
 @torch.no_grad()
-def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=128, temperature=0.0):
+def tap_hooks(base, taps, seen):
+    """Hooks that append, at every forward, the residual stream entering each layer in `taps` (the last layer's
+    output, before the final norm, for taps == n_layer) to seen[i]: (B, T, C) each."""
+    modules = [base.blocks[layer] if layer < len(base.blocks) else base.norm for layer in taps]
+    return [m.register_forward_pre_hook(lambda module, args, i=i: seen[i].append(args[0]))
+            for i, m in enumerate(modules)]
+
+
+def distill(base, enc, prompts, n_new=ANSWER_TOKENS, max_batch=128, temperature=0.0, taps=None):
     """The model's answers (greedy, or sampled at `temperature`), and every hidden state decoding computed.
 
     Returns h (N, L, C) in the base's dtype, on the CPU, y (N, L) and start (N,): h[i, t] is the final
     hidden state at position t of prompt + answer, y[i, t] the token at t+1 (-100, which the loss
     ignores, after the answer's stop token and in the padding), start[i] the position whose next
-    token is the answer's first. Each row stops at its own stop token (<|im_end|>, <|endoftext|>), a
-    batch when all of its rows have. A hook on the final norm keeps what generate() computes anyway:
-    the prompt's states at prefill, then one per token."""
+    token is the answer's first; with taps (layer indices), also f (N, L, len(taps) * C): the residual
+    stream entering those layers, concatenated (EAGLE-3's features). Each row stops at its own stop token
+    (<|im_end|>, <|endoftext|>), a batch when all of its rows have. Hooks keep what generate() computes
+    anyway: the prompt's states at prefill, then one per token."""
     device = base.lm_head.weight.device
     prompt_ids = [smollm.chat_tokens(enc, p) for p in prompts]
     stops = smollm.stop_tokens(enc)
     L = max(map(len, prompt_ids)) + n_new - 1
-    h = torch.zeros(len(prompts), L, base.config.n_embd, dtype=base.lm_head.weight.dtype)  # bf16 halves the memory
+    C, dtype = base.config.n_embd, base.lm_head.weight.dtype
+    h = torch.zeros(len(prompts), L, C, dtype=dtype)  # bf16 halves the memory
+    f = torch.zeros(len(prompts), L, C * len(taps), dtype=dtype) if taps else None
     y = torch.full((len(prompts), L), -100, dtype=torch.long)
-    seen = []
-    hook = base.norm.register_forward_hook(lambda module, args, out: seen.append(out))  # (B, T, C)
+    seen, tapped = [], [[] for _ in taps or ()]
+    hooks = [base.norm.register_forward_hook(lambda module, args, out: seen.append(out))]  # (B, T, C)
+    hooks += tap_hooks(base, taps or (), tapped)
     try:
         for rows in tqdm(same_length_batches(prompt_ids, max_batch), desc="distill", dynamic_ncols=True):
             seen.clear()
+            for t in tapped:
+                t.clear()
             idx = torch.tensor([prompt_ids[i] for i in rows], device=device)   # (B, P)
             seq = generate(base, idx, n_new, temperature, stop_tokens=stops)    # (B, P+n), n <= n_new
             states = torch.cat(seen, dim=1).cpu()                               # (B, P, C), (B, 1, C)... -> (B, P+n-1, C)
+            fused = torch.cat([torch.cat(t, dim=1) for t in tapped], dim=-1).cpu() if taps else states  # (B, P+n-1, 3C)
             P, n = idx.size(1), seq.size(1) - idx.size(1)
-            for r, row, states_r in zip(rows, seq.tolist(), states):
+            for r, row, states_r, fused_r in zip(rows, seq.tolist(), states, fused):
                 answer = row[P:]
                 ends = [i for i, t in enumerate(answer) if t in stops]
                 keep = P + (ends[0] + 1 if ends else n)                          # prompt + answer up to its stop token
                 h[r, :keep - 1] = states_r[:keep - 1]
                 y[r, :keep - 1] = torch.tensor(row[1:keep])
+                if taps:
+                    f[r, :keep - 1] = fused_r[:keep - 1]
     finally:
-        hook.remove()
-    return h, y, torch.tensor([len(ids) - 1 for ids in prompt_ids])
+        for hook in hooks:
+            hook.remove()
+    start = torch.tensor([len(ids) - 1 for ids in prompt_ids])
+    return (h, y, start) if not taps else (h, y, start, f)
+
+
+@torch.no_grad()
+def tapped_features(base, enc, prompts, y, taps, rows=16):
+    """The residual stream entering the layers `taps` on the distilled texts (prompt + answer), for a distillation
+    kept from before EAGLE-3 (one forward over them; a new distillation keeps them as it decodes): (N, L, 3C)."""
+    device, dtype = base.lm_head.weight.device, base.lm_head.weight.dtype
+    first = torch.tensor([smollm.chat_tokens(enc, p)[0] for p in prompts])           # each text's token 0
+    f = torch.zeros(*y.shape, base.config.n_embd * len(taps), dtype=dtype)
+    lengths = (y >= 0).sum(1)
+    for i in tqdm(range(0, len(y), rows), desc="features", dynamic_ncols=True):
+        n = int(lengths[i:i + rows].max())
+        seq = torch.cat([first[i:i + rows, None], y[i:i + rows, :n - 1].clamp(min=0)], 1).to(device)  # (b, n)
+        f[i:i + rows, :n] = base.hidden(seq, taps=taps)[1].to(dtype).cpu()          # (b, n, 3C): causal, so the
+    return f.mul_((y >= 0)[..., None])                                               # padding's rows are ignored
 
 
 def texts(h, y, start):
@@ -93,13 +127,14 @@ def texts(h, y, start):
     return out
 
 
-def stored_batches(h, y, device):
-    """batches(seed) -> batches(step) -> (h, y) (lab/train_drafters.py): random distilled answers, moved to the
-    drafter's device."""
-    def seeded(seed):
+def stored_batches(h, y, device, features=None):
+    """batches(seed, taps=None) -> batches(step) -> (h, y) (lab/train_drafters.py): random distilled answers,
+    moved to the drafter's device; with taps, also their features there (the taps the distillation kept)."""
+    def seeded(seed, taps=None):
         def batches(step):
             rows = torch.randint(0, len(h), (BATCH,), generator=step_generator(seed, step))
-            return to_device(h[rows], device), to_device(y[rows], device)
+            picked = (to_device(h[rows], device), to_device(y[rows], device))
+            return picked if taps is None else (*picked, to_device(features[rows], device))
         return batches
     return seeded
 
@@ -186,9 +221,10 @@ def make_run(given, out, kind):
     return SmolRun(out=os.path.join(out, kind.folder), **given)
 
 
-def upstream(run, distilled):
-    """What a drafter's stage rests on: (the settings of the stages it is made from, their files)."""
-    return settings_for(run, {"base"}), ["distill.pt"]
+def upstream(run, distilled, taps=None):
+    """What a drafter's stage rests on: (the settings of the stages it is made from, their files: the answers,
+    and for a drafter that taps layers, their features there)."""
+    return settings_for(run, {"base"}), ["distill.pt"] + (["taps.pt"] if taps else [])
 
 
 def plan_stages(run, kinds) -> dict:
@@ -214,15 +250,17 @@ def prepare(run, kind, kinds) -> Prepared:
     stage = Stage(run, "distill.pt", "distill", settings_for(run, {"base"}),
                   {"gguf": checkpoints.digest(smollm.gguf_path()), "prompts": prompts_digest}, {"base": info})
     t0 = time.time()
+    taps = next((k.taps(base) for k in kinds if k.taps(base) is not None), None)  # EAGLE-3's layers, if it is asked
+    features = None
+    # Training data only, so a bf16 copy may write it (faster where bf16 is native); the held-out
+    # answers, which the trees are grown from, come from the model that decodes.
+    writer = copy.deepcopy(base).to(torch.bfloat16) if fast and (stage.finished is None or taps) else base
     if stage.finished is not None:
         train, held, held_sampled = stage.finished.train, stage.finished.held_out, stage.finished.held_out_sampled
         print(f"distill: reusing {stage.path}")
     else:
-        # Training data only, so a bf16 copy may write it (faster where bf16 is native); the held-out
-        # answers, which the trees are grown from, come from the model that decodes.
-        writer = copy.deepcopy(base).to(torch.bfloat16) if fast else base
-        train = distill(writer, enc, train_prompts)
-        del writer
+        written = distill(writer, enc, train_prompts, taps=taps)           # (h, y, start[, features at taps])
+        train, features = written[:3], (written[3] if taps else None)
         held = distill(base, enc, held_out)
         held_sampled = tree_choice.sampled(lambda: distill(base, enc, held_out, temperature=tree_choice.SAMPLE_T),
                                            run.seed + 6)
@@ -230,6 +268,17 @@ def prepare(run, kind, kinds) -> Prepared:
         print(f"distill: {len(train_prompts)} answers of the model's own ({train[0].dtype}), "
               f"{int((train[1] >= 0).sum()):,} positions with hidden states, in {time.time() - t0:.0f}s")
     h, y, _ = train
+    if taps:  # the features at the layers EAGLE-3 reads: kept as the answers were written, or read again
+        tapped = Stage(run, "taps.pt", "distill", {**settings_for(run, {"base"}), "taps": list(taps)},
+                       checkpoints.parents_of(run.out, ["distill.pt"]), {"base": info})
+        if tapped.finished is not None:
+            features = tapped.finished.features
+        else:
+            if features is None:
+                print(f"taps: the distilled answers' features at layers {list(taps)}, read again (one forward)")
+                features = tapped_features(writer, enc, train_prompts, y, taps)
+            tapped.save(True, features=features)
+    del writer
     vocab = y[y >= 0].unique()  # (V',): the tokens the answers use; the drafters are trained and draft over them
     stops = smollm.stop_tokens(enc)
     prompts = [p.to(device) for p in chat_prompts(enc, held_out, run.report_prompts)]
@@ -265,7 +314,7 @@ def prepare(run, kind, kinds) -> Prepared:
 
     return Prepared(
         base=base, enc=enc, common={"base": info, "tokenizer": {"kind": "smollm2"}, "run": as_dict(run)},
-        data=TrainingData(stored_batches(h, y, device), vocab=vocab.to(device)),
+        data=TrainingData(stored_batches(h, y, device, features), vocab=vocab.to(device)),
         texts=lambda model: (texts(*held), texts(*held_sampled)), step_prompt=prompts[0], report_prompts=prompts,
         tree_options=dict(max_tree=64, ranks=10, sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS),
         report_options=report_options, finish=finish)

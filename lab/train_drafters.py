@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle import LOSSES, eagle_loss
+from eagle3 import ttt_loss
 from lab.train import autocast, rows_batch, step_generator, stream_seed, train_loop
 from medusa_mini import medusa_loss
 
@@ -24,7 +25,7 @@ from medusa_mini import medusa_loss
 @dataclass
 class TrainingData:
     """What the drafters of a run train on, as the base's stages leave it."""
-    batches: Callable                   # batches(seed) -> (step -> (h, y))
+    batches: Callable                   # batches(seed, taps=None) -> (step -> (h, y), or (h, y, features at taps))
     vocab: torch.Tensor | None = None   # (V',) on the device, or None: the whole vocabulary
     text: torch.Tensor | None = None    # the self-distilled rows (rows, T + 1), for a stage that runs the base
     base_loss: float | None = None      # the base's held-out loss, before a stage that trains it
@@ -125,6 +126,28 @@ def train_eagle(model, data, run, save, resume_from=None):
 
     history, _ = train_loop("eagle", [(list(model.eagle.parameters()), 1.0)], loss_fn, run.eagle_steps, run.eagle_lr,
                             save, resume_from)
+    return history
+
+
+def train_eagle3(model, data, run, save, resume_from=None):
+    """EAGLE-3's layer on the frozen base (eagle3.ttt_loss): the base's fused features at its layers model.taps
+    and its next-token distributions, the layer unrolled run.eagle3_ttt steps on its own predictions (the
+    training-time test), step j weighing run.eagle3_decay ** j. Its vocabulary is the training text's (data.vocab;
+    all tokens where there is none), set before the first step."""
+    model.base.requires_grad_(False)
+    device = model.base.lm_head.weight.device
+    if resume_from is None:
+        model.set_vocab(data.vocab if data.vocab is not None else torch.arange(model.base.config.vocab_size))
+    batches = data.batches(stream_seed(run.seed, "eagle3"), taps=model.taps)
+
+    def loss_fn(step):
+        h, y, features = batches(step)
+        with autocast(device):
+            loss, agree = ttt_loss(model, features, y, h, run.eagle3_ttt, run.eagle3_decay)
+        return loss, {"top1": agree[0], f"top1 step {len(agree)}": agree[-1]}
+
+    history, _ = train_loop("eagle3", [(list(model.eagle3.parameters()), 1.0)], loss_fn, run.eagle3_steps,
+                            run.eagle3_lr, save, resume_from)
     return history
 
 

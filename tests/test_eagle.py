@@ -40,8 +40,13 @@ def random_mtp(depth, seed=0, scale=4.0, **kw):
     return model.eval()
 
 
+def random_eagle3(**kw):
+    from test_eagle3 import random_eagle3
+    return random_eagle3(**kw)
+
+
 MODELS = {"eagle": lambda: random_eagle(block_size=64), "mtp1": lambda: random_mtp(1, block_size=64),
-          "mtp2": lambda: random_mtp(2, block_size=64)}
+          "mtp2": lambda: random_mtp(2, block_size=64), "eagle3": lambda: random_eagle3(block_size=64)}
 
 
 @pytest.mark.parametrize("tree", [WIDE, DynamicTree(topk=4, nodes=24, depth=4)], ids=["static", "dynamic"])
@@ -55,7 +60,8 @@ def test_every_drafted_node_equals_its_own_paths_draft(tree, kind):
     from verify import tree_decoding
     model = MODELS[kind]()
     drafter = FeatureDrafter(model, tree, "cpu")
-    state, h = prefill(model.base, torch.tensor([[3, 9, 27, 1, 14]]), extra=drafter.nodes)
+    head, ids = model.token_head()
+    state, h = prefill(model.base, torch.tensor([[3, 9, 27, 1, 14]]), extra=drafter.nodes, taps=drafter.taps)
     drafter.start(state, h)
     for step in range(2):
         root = state.logits.argmax()
@@ -66,11 +72,12 @@ def test_every_drafted_node_equals_its_own_paths_draft(tree, kind):
             along = draft.tokens[[index[path[:k]] for k in range(1, len(path))]]  # its ancestors' tokens
             seq = torch.cat([tokens, along, tokens.new_zeros(1)])[None]           # (1, L + 1 + depth)
             layer, out = list(chain_outputs(model, seq, len(path)))[-1]           # the entries drafting its depth
-            ranked = F.linear(layer.norm_out(out[0, -1]), model.base.lm_head.weight).topk(path[-1] + 1).indices
+            ranked = F.linear(layer.norm_out(out[0, -1]), head).topk(path[-1] + 1).indices
+            ranked = ranked if ids is None else ids[ranked]
             assert draft.tokens[i] == ranked[-1], (f"{kind}, step {step}, node {path}: drafted "
                                                    f"{int(draft.tokens[i])}, its own path gives {ranked.tolist()}")
         # commit the root and the first child, as a step would, and go on from there
-        hs, logits = tree_decoding(model.base, draft.tokens, draft.buffers, state.cache)
+        hs, logits = tree_decoding(model.base, draft.tokens, draft.buffers, state.cache, drafter.taps)
         state.cache.keep(state.tokens.size(1), torch.tensor([0, 1]))
         state.tokens = torch.cat([state.tokens, draft.tokens[:2].view(1, -1)], 1)
         state.logits = logits[1]

@@ -61,12 +61,12 @@ GRAPH = {name: imported(tree) - {name} for name, tree in TREES.items()}
 def test_the_first_ls_shows_the_core_and_the_everyday_commands():
     """At the root: the core a student reads and the commands a user runs; the lab and the kit below."""
     root = {p.stem for p in ROOT.glob("*.py")}
-    assert {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm"} <= root
+    assert {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "eagle3", "mtp", "feature_drafter", "smollm"} <= root
     # tools/ holds the maintainers' commands (the GPU run), not everyday ones; the lab holds no command
     assert {c for c in COMMANDS if "." not in c} == {"train_heads", "benchmark", "sample", "ablation", "export"}
     assert not {c for c in COMMANDS if c.startswith("lab.")}, "a command lives at the root, in tools/ or in kit/"
     assert {c for c in COMMANDS if c.startswith("tools.")} == {"tools.gpu_check"}
-    assert root == {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "mtp", "feature_drafter", "smollm", "train_heads",
+    assert root == {"medusa_mini", "kv_cache", "tree", "verify", "eagle", "eagle3", "mtp", "feature_drafter", "smollm", "train_heads",
                     "benchmark", "sample", "ablation", "export"}, root
     assert not list(ROOT.glob("*.toml")), "the kit's TOML files live in kit/"
 

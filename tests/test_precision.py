@@ -15,6 +15,7 @@ from lab import bases, devices, dtypes, packing
 from lab.distribution import true_joint
 from medusa_mini import generate, medusa_generate
 from test_decoding import N_DRAWS, SEEDS, TREE_2, V_SMALL, assert_follows, skewed_eagle, skewed_model, skewed_mtp
+from test_eagle3 import skewed_eagle3
 from tree import build_tree_buffers
 from kv_cache import KVCache
 
@@ -68,13 +69,13 @@ def test_a_decoding_copy_leaves_the_trained_model_as_it_is():
     assert model.base.lm_head.weight.dtype == torch.float32 and dtypes.decoding_copy(model, torch.float32) is model
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp", "eagle3"])
 def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter):
     """decoding_copy packs a bf16 copy's linear layers on a CPU with bf16 instructions (PackedLinear): the
     layout changes, not the arithmetic. The base's logits over a tree (mask, cache) and each drafter's
     greedy text equal those of the same copy left unpacked (measured: equal bit for bit)."""
     from feature_drafter import feature_generate
-    trained = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter]()
+    trained = {"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp, "eagle3": skewed_eagle3}[drafter]()
     packed, plain = dtypes.decoding_copy(trained, BF16), copy.deepcopy(trained).to(BF16)
     if packing.packs_bf16(packed.base.lm_head.weight):
         assert any(isinstance(m, packing.PackedLinear) for m in packed.modules())
@@ -87,7 +88,7 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
         return base(torch.tensor([[1, 2, 3, 0]]), b.position_ids + 3, b.attn_mask, cache)[0].float()
     expected = tree_logits(plain.base)
     assert (tree_logits(packed.base) - expected).abs().max() <= spacing(expected.abs().max())
-    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate}[drafter]
+    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate, "eagle3": feature_generate}[drafter]
     tree = TREE_2 if drafter == "medusa" else [(0,), (1,), (0, 0)]
     assert torch.equal(decode(packed, torch.tensor([[1, 2]]), 5, tree)[0], decode(plain, torch.tensor([[1, 2]]), 5, tree)[0])
 
@@ -139,18 +140,23 @@ def test_bf16_tree_logits_equal_per_path_logits_within_its_spacing(prefix):
         assert worst <= tolerance, f"node {i}, path {path}: {worst:.4f} apart, above {SPACINGS} bf16 spacings ({tolerance:.4f})"
 
 
-def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
-    """10 prompts x 64 tokens on a random model (small margins: a hard case) in bf16: Medusa's greedy text
+@pytest.mark.parametrize("drafter", ["medusa", "eagle3"])
+def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie(drafter):
+    """10 prompts x 64 tokens on a random model (small margins: a hard case) in bf16: the drafter's greedy text
     equals plain bf16 greedy up to its first difference, and there plain's top-2 margin is below the
     tolerance above (a near-tie that rounding may flip); identical to the end on most prompts (measured:
-    10 of 10 on this model)."""
-    model = dtypes.decoding_copy(random_medusa(seed=3, block_size=80), BF16)
+    10 of 10 on this model with Medusa, and with EAGLE-3, whose tree passes also return its layers' features)."""
+    from feature_drafter import feature_generate
+    from test_eagle3 import random_eagle3
+    trained = random_medusa(seed=3, block_size=80) if drafter == "medusa" else random_eagle3(3, block_size=80)
+    model = dtypes.decoding_copy(trained, BF16)
+    decode = medusa_generate if drafter == "medusa" else feature_generate
     tree = [(0,), (1,), (0, 0), (0, 0, 0)]
     identical = 0
     for seed in range(10):
         prompt = torch.randint(0, 32, (1, 4), generator=torch.Generator().manual_seed(seed))
         plain = generate(model, prompt, 64)[0]
-        fast, _ = medusa_generate(model, prompt, 64, tree)
+        fast, _ = decode(model, prompt, 64, tree)
         fast = fast[0]
         differ = (fast != plain).nonzero()
         if not len(differ):
@@ -164,16 +170,16 @@ def test_bf16_greedy_speculation_follows_plain_bf16_until_a_near_tie():
     assert identical >= 8, f"identical to the end on {identical} of 10 prompts"
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "mtp", "eagle3"])
 def test_exact_sampling_in_bf16_draws_what_plain_bf16_sampling_draws(drafter):
     """The same identity in bfloat16 (lab/dtypes.decoding_copy): the walk's conditionals are the bf16 model's,
     softmax on float32 logits, so with the same seed it writes plain bf16 sampling's text."""
     from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
     from lab.dtypes import decoding_copy
-    model = decoding_copy({"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp}[drafter](), torch.bfloat16)
+    model = decoding_copy({"medusa": skewed_model, "eagle": skewed_eagle, "mtp": skewed_mtp, "eagle3": skewed_eagle3}[drafter](), torch.bfloat16)
     prompt = torch.tensor([[1, 2]])
-    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate}[drafter]
+    decode = {"medusa": medusa_generate, "eagle": feature_generate, "mtp": feature_generate, "eagle3": feature_generate}[drafter]
     tree = TREE_2 if drafter == "medusa" else DynamicTree(topk=2, nodes=4, depth=2)
     for seed in range(SEEDS // 4):
         torch.manual_seed(seed)

@@ -21,7 +21,7 @@ from tree import build_tree_buffers, gather_paths, tree_cuts
 from verify import Draft, Drafter, speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = {"medusa", "eagle", "mtp"}
+NAMES = {"medusa", "eagle", "eagle3", "mtp"}
 
 
 # ---------------------------------------------------------------- nothing branches on a name
