@@ -149,16 +149,15 @@ def ttt_loss(model, features, y, h, steps=STEPS, decay=DECAY):
     agreement with the base (steps,))."""
     B, T = y.shape
     n = T - steps                                                             # positions every step scores
-    ids = model.draft_ids                                                     # (D,)
     seq = torch.cat([y.new_zeros(B, 1), y.clamp(min=0)], dim=1)              # (B, T + 1): seq[t + 1] = y[t]
-    rows = model.base.lm_head.weight[ids]                                     # (D, C): the base's, over the draft ids
+    with torch.no_grad():  # the base's distributions at every position, once for all the steps
+        rows = model.base.lm_head.weight[model.draft_ids]                     # (D, C): the base's, over the draft ids
+        targets = F.softmax(F.linear(h, rows).float(), dim=-1)                # (B, T, D): over the draft vocabulary
+        draftable = model.t2d[model.base.lm_head(h).argmax(-1)] & (y >= 0)    # (B, T): its top token is one it drafts
     total, agree = 0.0, []
     for j, (layer, out) in enumerate(unroll(model, seq, steps, features, new_cache=GrowingCache)):
-        with torch.no_grad():
-            target = h[:, 1 + j:1 + j + n]                                    # (B, n, C): the base at t + 1 + j
-            logits = model.base.lm_head(target).float()                       # (B, n, V)
-            p = F.softmax(F.linear(target, rows).float(), dim=-1)             # (B, n, D): over the draft vocabulary
-            counts = (y[:, j:j + n] >= 0) & (y[:, j + 1:j + 1 + n] >= 0) & model.t2d[logits.argmax(-1)]
+        p = targets[:, 1 + j:1 + j + n]                                       # (B, n, D): the base at t + 1 + j
+        counts = (y[:, j:j + n] >= 0) & draftable[:, 1 + j:1 + j + n]         # (B, n): the token fed, the target
         logq = F.log_softmax(F.linear(layer.norm_out(out), layer.lm_head.weight).float(), dim=-1)  # (B, n, D)
         step = -(p * logq).sum(-1)                                            # (B, n)
         total = total + decay ** j * (step * counts).sum() / counts.sum().clamp(min=1)

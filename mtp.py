@@ -9,7 +9,7 @@ The embedding and output head are the main model's own; the loss is the main los
 times the modules' cross-entropies. After training, the modules are a drafter: each reads a hidden
 state and a token and predicts the next hidden state, as a feature drafter's layers do, so they draft
 a tree depth by depth through feature_drafter.FeatureDrafter, module k drafting depth k and the last
-module again deeper (vLLM reuses its module for extra steps). docs/medusa.md, section 8.
+module again deeper (vLLM reuses its module for extra steps). docs/medusa.md, section 9.
 
 Shapes: B batch, T positions, C width, V vocabulary, D modules.
 """

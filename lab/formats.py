@@ -84,7 +84,7 @@ def describe(shape: Shape) -> str:
 
 
 def shape_of(trees) -> Shape:
-    """trees: lab.trees.Trees. A fixed tree's settings, or a dynamic tree's own."""
+    """trees: lab.tree_choice.Trees. A fixed tree's settings, or a dynamic tree's own."""
     tree = trees.tree
     if hasattr(tree, "topk"):  # a DynamicTree (feature_drafter)
         return Shape([], tree.depth, tree.topk, tree.nodes)
@@ -315,7 +315,7 @@ def readme(kind_name, fmt, target, files, shape, ckpt_path, dtype) -> str:
         "## Tree and speculative tokens",
         "",
         f"medusa-mini chose the tree {describe(shape)} for this checkpoint, from its accuracies and the step "
-        "costs measured on the machine that trained it (lab/trees.py); a GPU serving many users would choose "
+        "costs measured on the machine that trained it (lab/tree_choice.py); a GPU serving many users would choose "
         "another size.",
         "",
         *[f"- {n}" for n in files.notes],

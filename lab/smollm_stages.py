@@ -8,10 +8,10 @@ Stages, each printing what it measured (1 and 2 here; 3 to 5 are the pipeline's,
                computed once, by the same forward that decodes). Where bf16 is native, a bf16 copy of the
                model writes the training answers: they are only training data. The held-out answers
                (greedy, and sampled at T = 0.7 for the exact-sampling trees) come from the model that decodes.
-  3. drafters  each drafter of the registry that --drafters names (lab/stages.py), trained on those
+  3. drafters  each drafter of the registry that --drafters names (lab/train_drafters.py), trained on those
                states over the tokens the answers use, and drafting over them (model.draft_vocab).
   4. trees     accuracies by depth on the held-out answers, a grown tree sized from measured step costs,
-               and a tree for exact sampling (lab/trees.py).
+               and a tree for exact sampling (lab/tree_choice.py).
   5. report    plain decoding against every drafter on held-out chat prompts, each answer to its end
                (lab/report.py), best thread count against best; transformers' greedy and prompt-lookup
                decoding of the same GGUF file in the same rounds, where transformers is installed.
@@ -117,7 +117,7 @@ def tapped_features(base, enc, prompts, y, taps, rows=16):
 
 
 def texts(h, y, start):
-    """The distilled answers as lab/trees.py scores them: one (seq (1, n + 1), start, features) per answer,
+    """The distilled answers as lab/tree_choice.py scores them: one (seq (1, n + 1), start, features) per answer,
     seq[0, t + 1] = y[t] (seq[0, 0] is never read: scoring starts at the prompt's last position)."""
     out = []
     for row in range(len(h)):

@@ -21,13 +21,13 @@ import numpy as np  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from lab import gpt_pipeline  # noqa: E402
+from lab import gpt_stages, runs  # noqa: E402
 from lab.devices import pick_device  # noqa: E402
-from lab.trees import trees_of  # noqa: E402
+from lab.tree_choice import trees_of  # noqa: E402
 
 torch.set_num_threads(1)  # the course runs on small shared machines: one thread is steadier
 plt.rcParams.update({"figure.dpi": 100, "font.size": 11})
-FAST = gpt_pipeline.fast_mode()  # CI=true or MEDUSA_FAST=1: tiny sizes, so every notebook runs in CI
+FAST = runs.fast_mode()  # CI=true or MEDUSA_FAST=1: tiny sizes, so every notebook runs in CI
 device = pick_device()
 
 
@@ -41,8 +41,8 @@ def load():
     print(f"device: {device}, {torch.get_num_threads()} CPU thread; fast mode: {FAST}")
     model, enc, path, ckpt = _trained("medusa")
     cfg = model.base.config
-    _, run = gpt_pipeline.reopen(path, device)
-    _, _, _, train_ids, val_ids = gpt_pipeline.prepare_data(run)
+    _, run = runs.reopen(path, device)
+    _, _, _, train_ids, val_ids = gpt_stages.prepare_data(run)
     print(f"model: preset {run.preset!r} from {os.path.relpath(run.out, ROOT)}/: {cfg.n_layer} layers, "
           f"width {cfg.n_embd}, vocabulary {cfg.vocab_size}, context {cfg.block_size}, {len(model.heads)} Medusa heads")
     return model, enc, ckpt, run, train_ids, val_ids
@@ -56,8 +56,8 @@ def load_drafter(name):
 
 
 def _trained(drafter):
-    """gpt_pipeline.trained_model's (model, tokenizer, checkpoint path, checkpoint)."""
-    return gpt_pipeline.trained_model(device=device, drafter=drafter)
+    """lab.runs.trained_model's (model, tokenizer, checkpoint path, checkpoint)."""
+    return runs.trained_model(device=device, drafter=drafter)
 
 
 def chosen_tree(ckpt):
