@@ -144,16 +144,17 @@ def ttt_loss(model, features, y, h, steps=STEPS, decay=DECAY):
     distributions, lm_head(h), are the targets: no feature loss, NEW (2)). Step j's entry at position t
     is fed token t + 1 + j and, for j >= 1, its own step j - 1 output at t (feature_drafter.unroll, with
     chain_mask), and predicts the base's distribution at t + 1 + j (the token t + 2 + j). Soft
-    cross-entropy over the draft vocabulary, at positions where that distribution and token exist and the
-    base's top token is one the layer drafts; step j weighs decay ** j. Returns (loss, per-step top-1
-    agreement with the base (steps,))."""
+    cross-entropy over the draft vocabulary, at positions where that distribution exists and the text's next
+    token is one the layer drafts (the reference asks it of the base's top token: on the base's own greedy
+    text the two are the same token, and this needs no pass over the whole vocabulary); step j weighs
+    decay ** j. Returns (loss, per-step top-1 agreement with the base (steps,))."""
     B, T = y.shape
     n = T - steps                                                             # positions every step scores
     seq = torch.cat([y.new_zeros(B, 1), y.clamp(min=0)], dim=1)              # (B, T + 1): seq[t + 1] = y[t]
     with torch.no_grad():  # the base's distributions at every position, once for all the steps
         rows = model.base.lm_head.weight[model.draft_ids]                     # (D, C): the base's, over the draft ids
         targets = F.softmax(F.linear(h, rows).float(), dim=-1)                # (B, T, D): over the draft vocabulary
-        draftable = model.t2d[model.base.lm_head(h).argmax(-1)] & (y >= 0)    # (B, T): its top token is one it drafts
+        draftable = model.t2d[y.clamp(min=0)] & (y >= 0)                      # (B, T): the text's next token is one it drafts
     total, agree = 0.0, []
     for j, (layer, out) in enumerate(unroll(model, seq, steps, features, new_cache=GrowingCache)):
         p = targets[:, 1 + j:1 + j + n]                                       # (B, n, D): the base at t + 1 + j

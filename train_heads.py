@@ -11,7 +11,9 @@ interrupted one continues with --resume; one trained for other settings is refus
 trains it again. Every stage prints what it measured.
 """
 import dataclasses
+import os
 import sys
+import time
 
 from lab import cli
 
@@ -125,11 +127,20 @@ def takes(base_kind, key) -> bool:
     return all(s.bases is None or base_kind.name in s.bases for _, s in drafters.settings() if s.name == key)
 
 
-def main(argv=None):
+def main(argv=None, fresh_report=False):
+    """The run the flags ask for, and its report. fresh_report: where this process trained, the report is measured
+    by this command run again in a fresh process (lab/pipeline.run), which reuses every stage."""
     run = parse_args(argv)
     run.dtype = chosen_dtype(run.dtype, run.device, bases.of_run(run))
-    return pipeline.run(run)
+    result = pipeline.run(run, report_here=not fresh_report or pipeline.STARTED in os.environ)
+    if result is None:
+        sys.stdout.flush()
+        env = {**os.environ, pipeline.STARTED: os.environ.get(pipeline.STARTED, repr(STARTED_AT))}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return result
 
+
+STARTED_AT = time.time()
 
 if __name__ == "__main__":
-    sys.exit(cli.finish(main))
+    sys.exit(cli.finish(lambda argv: main(argv, fresh_report=True)))

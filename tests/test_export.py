@@ -295,7 +295,7 @@ class Recorder:
     """A project drafter, its proposals recorded: (committed tokens, root, {path: token}) per step."""
 
     def __init__(self, drafter):
-        self.drafter, self.nodes, self.steps = drafter, drafter.nodes, []
+        self.drafter, self.nodes, self.taps, self.steps = drafter, drafter.nodes, drafter.taps, []
 
     def start(self, state, h):
         self.drafter.start(state, h)
