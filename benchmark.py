@@ -5,6 +5,7 @@
     python benchmark.py --out out --ops            # kernel-launching ops per step: the GPU proxy
     python benchmark.py --out out --ceiling        # exact sampling: our drafters against the best any heads could do
     python benchmark.py --out out --nodes 4,10,16  # greedy, every drafter on its own grown tree of each size
+    python benchmark.py --base smollm2 --engine llama.cpp  # llama.cpp running our EAGLE-3 drafter, beside ours
 
 Every figure is a median over interleaved repeats: on a small shared machine, timings drift, and
 running the sides one after the other would hand the drift to one of them. Each side runs at every
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from lab import bases, breakdown, ceiling, cli, drafters, folder, ops, report, report_files, runs, timing
+from lab import bases, breakdown, ceiling, cli, drafters, folder, llama_cpp, ops, report, report_files, runs, timing
 from lab.cli import RunError, UsageError
 from lab.devices import pick_device
 from lab.dtypes import DTYPES, add_dtype_flag, chosen_dtype, decoding_copy, draft_cheaply
@@ -58,9 +59,20 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=node_counts, metavar="N,N,...",
                    help="only greedy decoding, every drafter on its own grown tree of each size, against plain "
                         "greedy: tokens/step at equal tree size; writes OUT/equal_trees.json")
+    p.add_argument("--engine", choices=["llama.cpp"],
+                   help="only greedy: llama.cpp decoding SmolLM2's GGUF file plainly and with the drafter it runs "
+                        "(exported as export.py --format engines writes it), interleaved with ours; acceptance side by "
+                        "side; writes OUT/llama_cpp.json")
+    p.add_argument("--chain", type=cli.integer(1, 16),
+                   help="with --engine: llama.cpp's draft length (default: the depth of the drafter's chosen tree)")
     a = p.parse_args(argv)
-    if a.breakdown + a.ops + a.ceiling + bool(a.nodes) > 1:
-        raise UsageError("--breakdown, --ops, --ceiling and --nodes each measure one thing: give one of them")
+    if a.breakdown + a.ops + a.ceiling + bool(a.nodes) + bool(a.engine) > 1:
+        raise UsageError("--breakdown, --ops, --ceiling, --nodes and --engine each measure one thing: give one of them")
+    if a.chain is not None and not a.engine:
+        raise UsageError("--chain is llama.cpp's draft length: give it with --engine llama.cpp")
+    served = [b.name for b in bases.REGISTRY.values() if b.serving]
+    if a.engine and a.base not in served:
+        raise UsageError(f"--engine {a.engine} runs the drafters of --base {' or '.join(served)}, not of {a.base}")
     if (a.breakdown or a.ops) and a.prompts is not None:
         raise UsageError("--prompts: --breakdown and --ops measure one held-out prompt")
     if a.drafter and not (a.breakdown or a.ops):
@@ -77,6 +89,12 @@ def main(argv=None):
     present = [n for n in drafters.names() if os.path.exists(os.path.join(out, f"{n}.pt"))]
     if a.drafter:
         present = [a.drafter] if a.drafter in present else []
+    if a.engine:  # the drafters llama.cpp runs
+        present = [n for n in present if llama_cpp.servable(drafters.get(n))]
+    if not present and a.engine:
+        runnable = [n for n in drafters.names() if llama_cpp.servable(drafters.get(n))]
+        raise RunError(f"no drafter {a.engine} runs in {out}/ ({', '.join(f'{n}.pt' for n in runnable)}): run "
+                       f"train_heads.py --base {base_kind.name} --drafters {','.join(runnable)} first")
     if not present:
         raise RunError(f"no drafter in {out}/ ({', '.join(f'{n}.pt' for n in drafters.names())}): "
                        f"run train_heads.py{' --base ' + base_kind.name if base_kind.folder else ''} first")
@@ -137,6 +155,11 @@ def measure(a, base_kind, run, drafted, enc, out, reference=None):
         report_files.write_json(os.path.join(out, "ops.json" if a.ops else "breakdown.json"), results)
         return results
     threads = timing.thread_counts(device, a.threads)
+    if a.engine:
+        found = llama_cpp.compare_engines(drafted, enc, prompts, run.report_tokens, threads, decode_kwargs, a.chain)
+        report_files.write_json(os.path.join(out, "llama_cpp.json"), found)
+        print(llama_cpp.format_side_by_side(found))
+        return found
     if a.nodes:
         table = report.equal_trees(drafted, prompts, run.report_tokens, a.nodes, threads)
         report_files.write_json(os.path.join(out, "equal_trees.json"), table)

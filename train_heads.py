@@ -132,11 +132,11 @@ def main(argv=None, fresh_report=False):
     by this command run again in a fresh process (lab/pipeline.run), which reuses every stage."""
     run = parse_args(argv)
     run.dtype = chosen_dtype(run.dtype, run.device, bases.of_run(run))
-    result = pipeline.run(run, report_here=not fresh_report or pipeline.STARTED in os.environ)
-    if result is None:
+    again = fresh_report and pipeline.STARTED not in os.environ  # this process is the command's first
+    result = pipeline.run(run, report_here=not again)
+    if result is None and again:
         sys.stdout.flush()
-        env = {**os.environ, pipeline.STARTED: os.environ.get(pipeline.STARTED, repr(STARTED_AT))}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, pipeline.STARTED: repr(STARTED_AT)})
     return result
 
 

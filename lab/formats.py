@@ -46,7 +46,7 @@ LOADERS = {
     "reference medusa": "FasterDecoding/Medusa medusa/model/medusa_model.py @ e2a5d20c048a9b0a4092e6933c34313687422518",
     "reference eagle": "SafeAILab/EAGLE eagle/model/ea_model.py, eagle/model/cnets1.py @ "
                        "cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b",
-    "eagle3": "vllm-project/vllm vllm/model_executor/models/llama_eagle3.py @ "
+    "eagle3 engines": "vllm-project/vllm vllm/model_executor/models/llama_eagle3.py @ "
               "00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (and in the vllm 0.34.0 wheel); sgl-project/sglang "
               "python/sglang/srt/models/llama_eagle3.py @ d737979cbd17c6162f39c1953cfa72d3d23cc0d0 (and in the "
               "sglang 0.5.23 wheel); ggml-org/llama.cpp src/models/eagle3.cpp, conversion/llama.py, "
@@ -410,8 +410,8 @@ MEDUSA_TARGETS = {
     "sglang": Target(SGLANG, "sgl-project/sglang python/sglang/srt/models/ (no Medusa model)", None,
                      "SGLang has no Medusa loader (it serves EAGLE, EAGLE-3, MTP and draft models): "
                      "use --format vllm or --format reference"),
-    "eagle3": Target(EAGLE3, LOADERS["eagle3"], None, "the EAGLE-3 format holds one draft layer reading three of the "
-                     "target's layers; Medusa's heads are not one (llama.cpp has no Medusa loader either: docs/export.md). "
+    "engines": Target(EAGLE3, LOADERS["eagle3 engines"], None, "the engines' EAGLE-3 folder holds one draft layer "
+                      "reading three of the target's layers; Medusa's heads are not one (llama.cpp has no Medusa loader either: docs/export.md). "
                      "Use --format vllm or --format reference"),
 }
 EAGLE_TARGETS = {
@@ -421,16 +421,17 @@ EAGLE_TARGETS = {
                    "vLLM's EAGLE draft (vllm/model_executor/models/llama_eagle.py) builds fc without a bias, and "
                    "this layer's fc has one (eagle.py, EagleLayer); vLLM's EAGLE-1 also has no truncated vocabulary. "
                    "Use --format sglang or --format reference"),
-    "eagle3": Target(EAGLE3, LOADERS["eagle3"], None, "the EAGLE-3 format's layer reads three of the target's layers "
-                     "through fc (3C) and [norm(embedding); norm(feature)]; EAGLE-1's reads the last layer through "
+    "engines": Target(EAGLE3, LOADERS["eagle3 engines"], None, "the engines' EAGLE-3 layer reads three of the target's "
+                      "layers through fc (3C) and [norm(embedding); norm(feature)]; EAGLE-1's reads the last layer through "
                      "fc([embedding; feature]) with a bias: the engines would compute another layer. Train EAGLE-3 "
                      "(--drafters eagle3), or use --format sglang or --format reference"),
 }
+LLAMA_CPP_FORMAT = "engines"  # EAGLE-3's one folder for vLLM, SGLang and llama.cpp (draft-eagle3.gguf beside it)
 EAGLE3_TARGETS = {
-    "eagle3": Target(EAGLE3, LOADERS["eagle3"], eagle3_engines),
-    **{fmt: Target(engine, LOADERS["eagle3"], None, f"{engine} reads EAGLE-3 drafts from the eagle3 format's folder: "
-                   f"use --format eagle3") for fmt, engine in (("vllm", VLLM), ("sglang", SGLANG),
-                                                               ("reference", EAGLE_REF))},
+    LLAMA_CPP_FORMAT: Target(EAGLE3, LOADERS["eagle3 engines"], eagle3_engines),
+    **{fmt: Target(engine, LOADERS["eagle3 engines"], None, f"{engine} reads EAGLE-3 drafts from the one folder "
+                   "written for vLLM, SGLang and llama.cpp: use --format engines")
+       for fmt, engine in (("vllm", VLLM), ("sglang", SGLANG), ("reference", EAGLE_REF))},
 }
 
 

@@ -79,11 +79,13 @@ REFERENCE = "plain greedy, float32"  # the float32 model's plain greedy, where t
 
 
 def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None, ops=True, sweep=True,
-               repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS, reference=None):
+               repeats=REPORT_REPEATS, sweep_repeats=SWEEP_REPEATS, reference=None, engine=None):
     """The report's measurements, every drafter interleaved with plain decoding on the same prompts, best
     against best: the mode table, per-drafter summaries, ops per step, the tree-size sweep of the first
     drafter. prompts: 1-D token tensors; decode_kwargs (e.g. stop_tokens) go to every mode; peers: more
-    modes measured in the same rounds ({label: Mode}, against plain greedy). reference: the float32 base,
+    modes measured in the same rounds ({label: Mode}, against plain greedy or their own baseline); engine:
+    what the peers' runs say beside ours (engine(runs, modes, table) -> dict: lab/llama_cpp.py, side_by_side),
+    kept as report["engine"]. reference: the float32 base,
     where the drafted models decode in another dtype: its plain greedy runs in the same rounds, the
     precision's agreement with it is measured (precision_agreement) and each drafter is also compared
     with the fastest plain decoding at either precision. Returns the report (the first drafter's figures
@@ -125,6 +127,8 @@ def run_report(drafted, prompts, n_new, threads, decode_kwargs=None, peers=None,
                   sample=runs[chosen_name, best_threads]["outputs"][0], sweep_threads=best_threads)
     if reference is not None:
         report["precision"] = precision_agreement(runs, modes, table, reference, prompts, threads)
+    if engine is not None:
+        report["engine"] = engine(runs, modes, table)
     if ops:
         report.update(ops=counts[first.name], ops_ratio=counts[first.name]["ops_ratio"],
                       host_reads_per_step=counts[first.name]["host_reads_per_step"])

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from lab import folder, ops
+from lab import folder, llama_cpp, ops
 from lab.plots import plot_report
 from lab.report import REFERENCE
 
@@ -85,6 +85,8 @@ def write_report(report, out):
           "for them on the first prompt.", "", format_drafters(report), "", table, ""]
     if "precision" in report:
         md += [f"## {report['precision']['dtype']} against float32", "", format_precision(report["precision"]), ""]
+    if report.get("engine"):
+        md += ["## Another engine", "", llama_cpp.format_side_by_side(report["engine"]), ""]
     if "ops" in report:
         md += [ops.format_ops(report["ops"]), ""]
     if "tree_size_sweep" in report:
@@ -109,6 +111,8 @@ def write_report(report, out):
     print("\n" + format_drafters(report))
     if "precision" in report:
         print("\n" + format_precision(report["precision"]))
+    if report.get("engine"):
+        print("\n" + llama_cpp.format_side_by_side(report["engine"]))
     if "ops" in report:
         print("\n" + ops.format_ops(report["ops"]))
     print(f"\nchosen tree: {len(report['chosen_tree'])} nodes; report written to {out}/report.md and report.json")

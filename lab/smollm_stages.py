@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 import smollm
 from kv_cache import KVCache
-from lab import checkpoints, tree_choice
+from lab import checkpoints, llama_cpp, tree_choice
 from lab.chat_prompts import instruction_prompts, same_length_batches
 from lab.checkpoints import BaseInfo
 from lab.config import SmolRun, as_dict, settings_for
@@ -285,8 +285,11 @@ def prepare(run, kind, kinds) -> Prepared:
 
     def report_options(drafted):
         threads = best_threads(drafted[0].trees.costs) if run.threads is None else [run.threads]
-        return dict(threads=threads, decode_kwargs={"stop_tokens": stops}, peers=peer_modes(device), ops=False,
-                    sweep=False, repeats=1)
+        n = run.report_tokens
+        return dict(threads=threads, decode_kwargs={"stop_tokens": stops}, ops=False, sweep=False, repeats=1,
+                    peers={**peer_modes(device), **llama_cpp.peer_modes(drafted, enc)},
+                    engine=lambda runs, modes, table: llama_cpp.side_by_side(runs, modes, table, drafted, prompts, n,
+                                                                             stops))
 
     def finish(result, drafted, training):
         precision = {}

@@ -130,8 +130,9 @@ def compare(model, prompts, n_new, modes: dict, repeats, threads=(None,)):
                 torch.manual_seed(1000 * p + r)  # sampled modes: the same seeds for every mode
                 seconds, result = timed(lambda: modes[name].run(model, idx, n_new), idx.device)
                 out, stats = result if isinstance(result, tuple) else (result, None)
-                per_prompt[name, t].append(seconds)
-                made[name, t].append(out.size(1) - idx.size(1))  # fewer than n_new when a stop token ended it
+                # an engine in another process times itself (lab/llama_cpp.py, EngineRun): its load is not decoding
+                per_prompt[name, t].append(getattr(stats, "seconds", seconds))
+                made[name, t].append(getattr(stats, "tokens", out.size(1) - idx.size(1)))  # < n_new: a stop token
                 if r == repeats - 1:
                     runs[name, t]["outputs"].append(out[0, idx.size(1):].tolist())
                     runs[name, t]["stats"].append(stats)
@@ -161,12 +162,12 @@ def summarise(runs, name, baseline, threads):
     speed, base_speed = speeds(name), speeds(baseline)
     best, base_best = max(speed, key=speed.get), max(base_speed, key=base_speed.get)
     run = runs[name, best]
-    tokens = sum(len(o) for o in run["outputs"])
+    tokens = sum(getattr(s, "tokens", len(o)) for o, s in zip(run["outputs"], run["stats"]))
     row = {"tokens_per_s": speed[best], "threads": best, "tokens_per_s_by_threads": speed,
            "speedup": speed[best] / base_speed[base_best],  # best against best
            "speedup_same_threads": {t: speed[t] / base_speed[t] for t in speed if t in base_speed},
            "distinct_4gram": statistics.mean(distinct_4gram_ratio(o) for o in run["outputs"])}
-    if run["stats"][0] is not None:
+    if getattr(run["stats"][0], "steps", None) is not None:
         steps = sum(s.steps for s in run["stats"])
         row["tokens_per_step"] = tokens / steps
         # overhead = time of a tree decoding step / time of a plain decoding step (one token), same threads

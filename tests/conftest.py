@@ -178,3 +178,13 @@ def clock_gpt(vocab_size=32, block_size=64, n_embd=64):
         base.wte.weight.copy_(e)
         base.wpe.weight.copy_(8 * e[next_of])
     return base.eval(), e
+
+
+def smollm2_or_skip(block_size):
+    """(SmolLM2 from its wheel, its tiktoken encoding, the GGUF reader), or a skip naming the install command."""
+    import smollm
+    try:
+        reader = smollm.read_gguf()
+    except ValueError as e:
+        pytest.skip(str(e))
+    return smollm.load_smollm2(block_size=block_size, reader=reader), smollm.load_tokenizer(reader), reader

@@ -37,7 +37,7 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
     and learning rate, and report sizes to the SmolLM2 run: nothing is dropped, the device included."""
     fake_cuda(monkeypatch)
     got = {}
-    monkeypatch.setattr(pipeline, "run", lambda run: got.update(run=run))
+    monkeypatch.setattr(pipeline, "run", lambda run, **kw: got.update(run=run))
     train_heads.main(["--base", "smollm2", "--device", "cuda", "--threads", "1", "--seed", "3", "--resume",
                       "--out", str(tmp_path), "--head-steps", "7", "--head-lr", "0.01", "--report-prompts", "2",
                       "--report-tokens", "9"])
@@ -53,7 +53,7 @@ def test_dtype_reaches_the_run_and_auto_says_what_it_picked(monkeypatch, capsys,
     no bf16 tensor cores), printed with its reason."""
     fake_cuda(monkeypatch, bf16=False)
     got = {}
-    monkeypatch.setattr(pipeline, "run", lambda run: got.update(run=run))
+    monkeypatch.setattr(pipeline, "run", lambda run, **kw: got.update(run=run))
     train_heads.main(["--base", base, "--device", "cuda", "--dtype", dtype, "--out", str(tmp_path)])
     expected = "float32" if dtype == "auto" else dtype
     assert got["run"].dtype == expected

@@ -16,7 +16,7 @@ TREES = {
     "chain_4": [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)],
     "sparse": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1)],
     # grow_tree([[0.7, 0.1, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1, 0.05], [0.4, 0.1, 0.05]], 20), written
-    # out so that this file imports even where grow_tree is an assignment's stub.
+    # out: the trees these tests decode with do not depend on the code that grows them.
     "grown_20": [(0,), (0, 0), (0, 0, 0), (1,), (0, 0, 0, 0), (0, 1), (1, 0), (2,), (0, 0, 1), (0, 2), (0, 1, 0),
                  (2, 0), (1, 0, 0), (0, 0, 2), (0, 0, 0, 1), (0, 2, 0), (0, 0, 1, 0), (2, 0, 0), (0, 1, 0, 0),
                  (1, 0, 0, 0)],

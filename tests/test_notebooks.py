@@ -6,8 +6,7 @@ MEDUSA_FAST=1 in the kernel's environment, so the notebooks use the tiny model h
 where `python train_heads.py` has written a real out/medusa.pt; the tiny model is trained first, once.
 The same runs by hand, through nbmake (the pytest plugin, pinned in requirements.txt):
 MEDUSA_FAST=1 python -m pytest --nbmake notebooks. The other tests read the committed notebooks (their
-code and the outputs of the run that made them). The kit runs the notebooks in the student copies
-too (kit/tests/test_kit_sequence.py): there a cell that needs an assignment still to write must say so.
+code and the outputs of the run that made them). How long each takes is in docs/results.md, not here.
 """
 import ast
 import glob
@@ -15,7 +14,6 @@ import json
 import os
 import re
 import sys
-import time
 
 import nbformat
 import pytest
@@ -55,20 +53,14 @@ def test_the_course_has_eight_numbered_notebooks():
     assert [os.path.basename(p)[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
 
 
-NOTEBOOK_SECONDS = 20  # the most one notebook may take in fast mode (its kernel's start included)
-
-
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom_in_fast_mode(notebook, monkeypatch):
-    """Every cell runs without error, offline, on the tiny model, within NOTEBOOK_SECONDS."""
-    tiny_run_folder()  # trained once, before the clock starts
+    """Every cell runs without error, offline, on the tiny model."""
+    tiny_run_folder()  # trained once, before the first notebook
     monkeypatch.setenv("MEDUSA_FAST", "1")  # the kernel inherits this process's environment
     monkeypatch.delenv("MPLBACKEND", raising=False)  # inline plots, as a reader sees them
     nb = nbformat.read(notebook, as_version=4)
-    start = time.perf_counter()
     NotebookClient(nb, timeout=300, resources={"metadata": {"path": os.path.dirname(notebook)}}).execute()
-    seconds = time.perf_counter() - start
-    assert seconds < NOTEBOOK_SECONDS, f"{os.path.basename(notebook)} took {seconds:.0f} s in fast mode"
 
 
 FORBIDDEN = [r"class\s+\w+\s*\(.*nn\.Module", r"def\s+medusa_generate\b", r"def\s+feature_generate\b",
@@ -193,99 +185,3 @@ def test_exercise_check_cells_hide_their_source(notebook):
     assert checks, f"{os.path.basename(notebook)} has no exercise check cell"
     shown = [i for i, c in checks if not c.get("metadata", {}).get("jupyter", {}).get("source_hidden")]
     assert not shown, f"{os.path.basename(notebook)}: code cells {shown} check an exercise with their source shown"
-
-
-def test_course_needs_reads_the_stubs_of_the_copy(monkeypatch, capsys):
-    """course.needs(N): True where no function carries assignment N's stub marker; otherwise False, with one
-    line naming its functions."""
-    import course
-    found = [(3, "verify.py:evaluate_posterior", "assignment 3: ..."), (3, "verify.py:sample_tree_walk", "...")]
-    monkeypatch.setattr(course.stubs, "stubs_in", lambda modules: found)
-    assert course.needs(6) and course.needs(1, 2)
-    assert capsys.readouterr().out == ""
-    assert not course.needs(2, 3)
-    assert capsys.readouterr().out == ("this cell needs assignment 3 (evaluate_posterior, sample_tree_walk), "
-                                       "not done in this copy\n")
-    monkeypatch.setattr(course.stubs, "stubs_in", lambda modules: [])
-    assert course.needs(3)
-
-
-def test_the_readme_says_which_assignments_each_notebook_needs():
-    """notebooks/README.md's table counts, per notebook and assignment, the code cells guarded by
-    course.needs(..., N, ...): the table and the notebooks agree."""
-    readme = open(os.path.join(ROOT, "notebooks", "README.md"), encoding="utf-8").read()
-    rows = re.findall(r"^\| (0\d) \|(.*)\|$", readme, re.MULTILINE)
-    assert [number for number, _ in rows] == [os.path.basename(p)[:2] for p in NOTEBOOKS]
-    for notebook, (_, row) in zip(NOTEBOOKS, rows):
-        said = [int(m.group(0)) if (m := re.match(r"\s*\d+", cell)) else 0 for cell in row.split("|")]
-        counted = [0] * len(said)
-        for c in cells(notebook, "code"):
-            needed = {int(n) for args in re.findall(r"course\.needs\(([^)]*)\)", "".join(c["source"]))
-                      for n in args.split(",")}
-            for n in needed:
-                counted[n - 1] += 1
-        assert said == counted, f"{os.path.basename(notebook)}: README says {said}, the notebook {counted}"
-
-
-def guards_and_names(source):
-    """Per top-level statement of a code cell: (its guard, the names it defines, the notebook-level names it
-    reads, whether it is a def or class, whose body reads them when called). Its guard: the largest N of
-    the course.needs(...) of the `if` it sits in (`if course.needs(...) and ...:` too), 0 if none (it runs
-    in every copy). A copy handed out for M stubs assignments M and later, so a statement guarded by N
-    runs there exactly when N < M."""
-    import symtable
-
-    def walk(statements, guard):
-        for statement in statements:
-            test = getattr(statement, "test", None)
-            conjuncts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
-            needs = [c for c in conjuncts if isinstance(c, ast.Call) and ast.unparse(c.func) == "course.needs"]
-            if isinstance(statement, ast.If) and needs:  # if course.needs(...) [and ...]:
-                yield from walk(statement.body, max([guard] + [ast.literal_eval(a) for c in needs for a in c.args]))
-                yield from walk(statement.orelse, guard)
-                continue
-            table = symtable.symtable(ast.unparse(statement), "<cell>", "exec")
-            defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()
-                       or s.is_namespace()}
-            read, scopes = set(), [table]
-            while scopes:
-                scope = scopes.pop()
-                scopes += scope.get_children()
-                read |= {s.get_name() for s in scope.get_symbols()
-                         if s.is_referenced() and (scope is table or s.is_global())}
-            deferred = isinstance(statement, (ast.FunctionDef, ast.ClassDef))  # its body runs when called
-            yield guard, defined, read - defined, deferred  # a name the statement binds (a loop variable): its own
-    return list(walk(ast.parse(source).body, 0))
-
-
-def guard_problems(sources) -> list[str]:
-    """For code cells in order: each statement that reads a name defined only under a later guard."""
-    defined_at = {}  # name: the smallest guard under which a statement so far defined it (a function: the
-    problems = []    # largest guard of what its body reads, so that it counts where it is called)
-    for index, source in enumerate(sources):
-        for guard, defined, read, deferred in guards_and_names(source):
-            if deferred:
-                guard = max([guard] + [defined_at.get(name, 0) for name in read])
-            else:
-                problems += [f"code cell {index} reads {name} under guard {guard}, defined under {defined_at[name]}"
-                             for name in read if defined_at.get(name, 0) > guard]
-            for name in defined:
-                defined_at[name] = min(defined_at.get(name, guard), guard)
-    return problems
-
-
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
-def test_a_guarded_cells_names_come_from_cells_that_run_when_it_runs(notebook):
-    """A statement that reads a name defined only under a course.needs guard is guarded by at least as
-    late an assignment: in every copy where it runs, so did the statement that defined the name. (With the
-    kit's runs of the notebooks in the copies, a notebook that runs top to bottom in the copy for the first
-    assignment it shows runs in the copies for later ones too.)"""
-    problems = guard_problems(["".join(c["source"]) for c in cells(notebook, "code")])
-    assert not problems, f"{os.path.basename(notebook)}: " + "; ".join(problems)
-
-
-def test_the_guard_check_finds_a_name_from_a_later_guard():
-    cells_ = ["if course.needs(3):\n    x = 1\n", "def f():\n    return x\n", "if course.needs(2):\n    print(x)\n",
-              "if course.needs(2):\n    f()\n", "if course.needs(1, 4):\n    f()\n"]
-    assert guard_problems(cells_) == ["code cell 2 reads x under guard 2, defined under 3",
-                                      "code cell 3 reads f under guard 2, defined under 3"]

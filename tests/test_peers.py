@@ -9,6 +9,7 @@ import torch
 
 from lab import peers
 import smollm
+from conftest import smollm2_or_skip
 from medusa_mini import generate
 
 # One answer that ends with <|im_end|> before 16 tokens, one that runs on past them.
@@ -23,11 +24,7 @@ LOGIT_TOLERANCE = 1e-3
 def ours():
     """(our Llama, tiktoken encoding), or a skip: every test that compares needs transformers too."""
     pytest.importorskip("transformers")
-    try:
-        reader = smollm.read_gguf()
-    except ValueError as e:
-        pytest.skip(str(e))
-    return smollm.load_smollm2(block_size=256, reader=reader), smollm.load_tokenizer(reader)
+    return smollm2_or_skip(256)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,7 @@ def test_the_peers_refuse_sampling(decode):
         decode(None, torch.zeros(1, 3, dtype=torch.long), 4, temperature=0.7)
 
 
-class Stub:
+class FakeModel:
     """A model whose generate returns a fixed sequence, as transformers' may: padded after the stop."""
 
     def __init__(self, out):
@@ -75,9 +72,9 @@ class Stub:
 def test_the_answer_ends_right_after_the_first_stop_token():
     prompt = torch.tensor([[5, 6]])
     padded = [5, 6, 7, 2, 2, 2]  # stop token 2, then padding
-    assert peers.transformers_greedy(Stub(padded), prompt, 4, stop_tokens=[2, 0]).tolist() == [[5, 6, 7, 2]]
-    assert peers.transformers_greedy(Stub(padded), prompt, 4).tolist() == [padded]
-    assert peers.transformers_greedy(Stub([5, 6, 7, 8, 9]), prompt, 2, stop_tokens=[2]).tolist() == [[5, 6, 7, 8]]
+    assert peers.transformers_greedy(FakeModel(padded), prompt, 4, stop_tokens=[2, 0]).tolist() == [[5, 6, 7, 2]]
+    assert peers.transformers_greedy(FakeModel(padded), prompt, 4).tolist() == [padded]
+    assert peers.transformers_greedy(FakeModel([5, 6, 7, 8, 9]), prompt, 2, stop_tokens=[2]).tolist() == [[5, 6, 7, 8]]
 
 
 def test_transformers_reads_the_same_model(ours, hf, prompts):

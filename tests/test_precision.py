@@ -33,7 +33,7 @@ def spacing(x):
     (set(), "smollm2", torch.float32), ({"amx_bf16"}, "gpt", torch.float32), (set(), "gpt", torch.float32)])
 def test_auto_picks_from_the_cpus_features(monkeypatch, flags, base, expected):
     """--dtype auto on a CPU: bf16 for SmolLM2 where the CPU has bf16 instructions (AMX or AVX512-BF16),
-    float32 without them and for the tiny GPT; the feature probe stubbed, the reason names what it found."""
+    float32 without them and for the tiny GPT; the feature probe replaced, the reason names what it found."""
     monkeypatch.setattr(devices, "cpu_flags", lambda: flags)
     dtype, why = dtypes.decoding_dtype("auto", "cpu", bases.get(base))
     assert dtype == expected and why.startswith("auto: ")
@@ -94,7 +94,7 @@ def test_a_packed_decoding_copy_computes_what_an_unpacked_copy_computes(drafter)
 
 
 def test_packing_happens_only_where_bf16_is_native(monkeypatch):
-    """float32 copies, and bf16 copies on a CPU without bf16 instructions (the feature probe stubbed), keep
+    """float32 copies, and bf16 copies on a CPU without bf16 instructions (the feature probe replaced), keep
     nn.Linear; a packed layer cast back to float32 (a drafter drafting in another dtype) computes F.linear, and
     one given a new weight packs that one."""
     model = random_medusa()

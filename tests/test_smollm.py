@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lab import data
 import smollm
+from conftest import smollm2_or_skip
 from medusa_mini import MedusaModel, generate, medusa_generate
 from kv_cache import KVCache
 from tree import build_tree_buffers, dense_tree
@@ -18,11 +19,7 @@ from tree import build_tree_buffers, dense_tree
 @pytest.fixture(scope="session")
 def smol():
     """(model, tiktoken encoding, GGUF reader), or a skip naming the install command."""
-    try:
-        reader = smollm.read_gguf()
-    except ValueError as e:
-        pytest.skip(str(e))
-    return smollm.load_smollm2(block_size=512, reader=reader), smollm.load_tokenizer(reader), reader
+    return smollm2_or_skip(512)
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch):
