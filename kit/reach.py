@@ -1,6 +1,5 @@
-"""Which of the functions the assignments stub each graded test reaches, learned by running the tests.
-
-    python kit/reach.py              # the map: each graded test and the stubbed functions it reaches
+"""Which of the functions the assignments stub each graded test reaches, learned by running the tests
+(`python kit/make_assignment.py --list` prints the tests each assignment gets from it).
 
 The graded files (`graded` in kit/assignments.toml) run once, in a fresh process of their own, in the
 project as it is, with every function an assignment stubs wrapped to note its name when it is called
@@ -80,7 +79,9 @@ def cache_path(root=ROOT, mapping=None) -> str:
 def _writer(root, path):
     """The command that traces the project and writes its map to `path` (a process of its own)."""
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the graded tests use no plugin
-    return dict(args=[sys.executable, os.path.join(root, "kit", "reach.py"), "--write", path], cwd=root, env=env)
+    code = (f"import sys; sys.path.insert(0, {os.path.join(os.path.abspath(root), 'kit')!r}); import reach; "
+            f"reach.write_locked({os.path.abspath(root)!r}, {path!r})")
+    return dict(args=[sys.executable, "-c", code], cwd=root, env=env)
 
 
 def start(root=ROOT, mapping=None):
@@ -321,18 +322,3 @@ def write_json(path, data):
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--write"] and len(argv) == 2:  # the traced run itself (reach_map and start run it)
-        write_locked(ROOT, argv[1])
-        return 0
-    data = reach_map(ROOT, note=lambda line: print(line, file=sys.stderr))
-    for nodeid, keys in data["tests"].items():
-        print(f"{nodeid}: {', '.join(k.partition(':')[2] for k in keys) or '-'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,8 +5,6 @@ stubbed, exactly the tests that reach N fail, with N's error); the tracer sees w
 through a fixture, a cache and its file's import; the lists it gives name what the hints and mutants
 say."""
 import re
-import subprocess
-import sys
 import textwrap
 
 from kit_helpers import ASSIGNMENTS, MAPPING, ROOT, assignments, grading, ma, reach, reach_data, run_pytest
@@ -152,9 +150,9 @@ def test_the_tracer_sees_what_a_test_reaches_through_fixtures_caches_and_its_fil
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text).lstrip())
     (tmp_path / "kit" / "reach.py").write_text((ROOT / "kit" / "reach.py").read_text())
-    proc = subprocess.run([sys.executable, "kit/reach.py"], cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = reach.reach_map(tmp_path)
+    said = []
+    data = reach.reach_map(tmp_path, note=said.append)
+    assert said and said[0].startswith("learning which tests reach which assignment")
     assert data["outside"] == [] and set(data["outcomes"].values()) == {"passed"}
     stubbed, imported = ["core.py:stubbed"], ["core.py:at_import"]
     assert data["tests"] == {
@@ -162,8 +160,8 @@ def test_the_tracer_sees_what_a_test_reaches_through_fixtures_caches_and_its_fil
         "tests/test_a.py::test_builds": stubbed, "tests/test_a.py::test_hits_the_cache": stubbed,
         "tests/test_a.py::test_uses_the_fixture": stubbed, "tests/test_a.py::test_uses_the_fixture_too": stubbed,
         "tests/test_b.py::test_only_imports": imported}
-    assert "learning which tests reach" in proc.stderr and "test_calls_nothing: -" in proc.stdout
     assert list((tmp_path / reach.CACHE).glob("reach-*.json"))
+    assert reach.reach_map(tmp_path, note=said.append) == data and len(said) == 1  # read back, not run again
 
 
 def test_the_hints_and_mutants_name_tests_that_run_in_their_copy(capsys):
