@@ -128,8 +128,8 @@ def takes(base_kind, key) -> bool:
 
 
 def main(argv=None, fresh_report=False):
-    """The run the flags ask for, and its report. fresh_report: where this process trained, the report is measured
-    by this command run again in a fresh process (lab/pipeline.run), which reuses every stage."""
+    """The run the flags ask for, and its report. fresh_report: where this process trained, the trees and the report
+    are timed by this command run again in a fresh process (lab/pipeline.run), which reuses every stage."""
     run = parse_args(argv)
     run.dtype = chosen_dtype(run.dtype, run.device, bases.of_run(run))
     again = fresh_report and pipeline.STARTED not in os.environ  # this process is the command's first

@@ -112,10 +112,10 @@ def trees_for(kind, model, run, prep, path, dtype) -> tree_choice.Trees:
 
 def run(run, report_here=True):
     """The whole pipeline for one base, as train_heads.py's flags (a GPTRun or a SmolRun) ask; returns the report.
-    report_here=False: when this process trained or chose anything, stop before the report and return None, so
-    that the caller measures it in a fresh process (the same run again: every stage and tree reused). A long
-    training run leaves its process slower at decoding than a fresh one (docs/results.md, "The report in a
-    fresh process"), and the figures a user reads are a fresh process's."""
+    report_here=False: when this process trained anything, stop before the trees are timed and return None, so
+    that the caller times the trees and the report in a fresh process (the same run again: every stage
+    reused). A long training run has left its process slower at decoding than a fresh one (docs/results.md,
+    "The report in a fresh process"), and the figures a user reads are a fresh process's."""
     with folder.locked(run.out):
         return _run(run, report_here)
 
@@ -138,6 +138,9 @@ def _run(run, report_here=True):
     trained, training = {}, {}
     for kind in kinds:
         trained[kind.name], training[kind.name] = train(kind, run, base_kind, prep)
+    if not report_here and checkpoint_times(run.out) != before:
+        print("trees and report: timed in a fresh process (this one trained: docs/results.md says why)")
+        return None
     dtype, drafted = DTYPES[run.dtype], []
     for kind in kinds:  # decoding in run.dtype; drafting in the dtype draft_cheaply picks for this base
         model = draft_cheaply(decoding_copy(trained[kind.name], dtype), run.device, base_kind)
@@ -145,9 +148,6 @@ def _run(run, report_here=True):
         chosen = trees_for(kind, model, run, prep, os.path.join(run.out, f"{kind.name}.pt"), run.dtype)
         drafted.append(report.Drafted(kind, model, chosen, {"seconds": training[kind.name].get("seconds"),
                                                             "parameters": report.parameters(model)}))
-    if not report_here and checkpoint_times(run.out) != before:
-        print("report: measured in a fresh process (this one trained: docs/results.md says why)")
-        return None
     reference = None if dtype == torch.float32 else trained[kinds[0].name].base  # the float32 model, timed beside
     result = report.run_report(drafted, prep.report_prompts, run.report_tokens, reference=reference,
                                **prep.report_options(drafted))

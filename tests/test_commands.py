@@ -46,6 +46,27 @@ def test_smollm2_takes_the_flags_that_apply_to_it(monkeypatch, tmp_path):
                                  report_tokens=9, dtype="bfloat16")  # --dtype auto, on a GPU with bf16
 
 
+def test_the_command_times_its_trees_and_report_in_a_fresh_process(monkeypatch, tmp_path):
+    """Where the pipeline stops after training (it returns None), train_heads.py runs itself again, the same
+    flags, marked as the command's second process; that one, and a command that trained nothing, report where
+    they are. docs/results.md ("The report in a fresh process") says why."""
+    calls, execs = [], []
+    monkeypatch.setattr(pipeline, "run", lambda run, report_here=True: calls.append(report_here) or None)
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: execs.append((argv, env)))
+    monkeypatch.delenv(pipeline.STARTED, raising=False)
+    monkeypatch.setattr(sys, "argv", ["train_heads.py", "--preset", "tiny", "--out", str(tmp_path)])
+    train_heads.main(sys.argv[1:], fresh_report=True)
+    assert calls == [False] and len(execs) == 1
+    argv, env = execs[0]
+    assert argv[1:] == sys.argv and pipeline.STARTED in env
+    monkeypatch.setenv(pipeline.STARTED, env[pipeline.STARTED])  # the second process: it reports here
+    train_heads.main(sys.argv[1:], fresh_report=True)
+    assert calls == [False, True] and len(execs) == 1
+    monkeypatch.delenv(pipeline.STARTED)
+    train_heads.main(sys.argv[1:])  # called as a function (a test, a notebook): always here
+    assert calls[-1] is True and len(execs) == 1
+
+
 @pytest.mark.parametrize("base", ["gpt", "smollm2"])
 @pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
 def test_dtype_reaches_the_run_and_auto_says_what_it_picked(monkeypatch, capsys, tmp_path, base, dtype):
