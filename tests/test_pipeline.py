@@ -265,5 +265,5 @@ def test_the_gpu_check_runs_each_check_on_the_device_asked(tmp_path):
         assert argv[argv.index("--device") + 1] == "cuda" and argv[argv.index("--dtype") + 1] == dtype
         assert argv[argv.index("--out") + 1] == os.path.join(str(tmp_path), "gpu")  # the bf16 report reads the run
     here = dict(gpu_check.steps("cpu", "tiny", str(tmp_path)))
-    assert train_heads.parse_args(here["train"][2:]).drafters == ("medusa", "eagle")
+    assert train_heads.parse_args(here["train"][2:]).drafters == ("medusa", "eagle", "eagle3")
     assert benchmark.parse_args(here["bf16"][2:]).dtype == "bfloat16"

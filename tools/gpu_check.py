@@ -1,5 +1,5 @@
 """The checks a GPU run needs, in one script meant to take at most about five minutes on one GPU: the core
-exactness tests on the device, the gpu preset trained with Medusa and EAGLE (its report decodes in float32,
+exactness tests on the device, the gpu preset trained with Medusa, EAGLE and EAGLE-3 (its report decodes in float32,
 the tiny GPT's dtype under --dtype auto), and the same drafters' report again in bfloat16 (plain and
 speculative decoding in bf16, with plain float32 greedy timed in the same rounds and the agreement with it).
 Each step's output is shown and kept in OUT/<step>.log (the bf16 report rewrites the run's report.md, so the
@@ -29,7 +29,7 @@ from lab.cli import RunError  # noqa: E402
 from lab.config import PRESETS  # noqa: E402
 
 CORE_TESTS = ["tests/test_model.py", "tests/test_tree.py", "tests/test_decoding.py", "tests/test_eagle.py",
-              "tests/test_mtp.py"]  # the files whose exactness tests take --device
+              "tests/test_eagle3.py", "tests/test_mtp.py"]  # the files whose exactness tests take --device
 
 
 def steps(device, preset, out, python=sys.executable):
@@ -37,7 +37,7 @@ def steps(device, preset, out, python=sys.executable):
     run = os.path.join(out, preset)
     return [
         ("tests", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--device={device}", *CORE_TESTS]),
-        ("train", [python, "train_heads.py", "--preset", preset, "--drafters", "medusa,eagle", "--device", device,
+        ("train", [python, "train_heads.py", "--preset", preset, "--drafters", "medusa,eagle,eagle3", "--device", device,
                    "--dtype", "float32", "--out", run]),
         ("bf16", [python, "benchmark.py", "--out", run, "--device", device, "--dtype", "bfloat16"]),
     ]
