@@ -326,7 +326,11 @@ def test_another_valid_tokenizer_is_refused_before_the_token_caches_are_written(
     assert snapshot(run_copy) == before
 
 
-def test_what_cannot_fit_or_finish_is_refused_before_anything_is_written(tmp_path):
+def test_what_cannot_fit_or_finish_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Memory past what the machine has, a week of training by the plan's estimate (a base step priced at one second
+    here, whatever this machine's speed), steps past the flag's range: each refused in one line, nothing written."""
+    from lab import plan
+    monkeypatch.setattr(plan, "measure_steps", lambda config, run, device: (1.0, 0.01))
     out = tmp_path / "new"
     with pytest.raises(UsageError, match=r"--batch-size 4096 --seq-len 8192: the \w+ stage would need about"):
         train_heads.main(["--preset", "tiny", "--batch-size", "4096", "--seq-len", "8192", "--out", str(out)])
