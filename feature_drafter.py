@@ -364,6 +364,9 @@ def unroll(model, seq, depth, features=None, new_cache=None):
     B, T = seq.shape
     D = len(layers)
     f = base_features(model, seq) if features is None else features                 # (B, T, C) or (B, T, 3C)
+    width = base.config.n_embd * (len(model.taps) if model.taps else 1)
+    if f.size(-1) != width:  # another drafter's features (EAGLE-3 reads three layers) would draft silently wrong
+        raise ValueError(f"features {f.size(-1)} wide: this drafter reads {width} (taps {model.taps})")
     n = T - 1 - depth                                                                # positions with a token depth + 1 ahead
     caches = [new_cache() if new_cache else KVCache(base.config, batch_size=B, capacity=T * (depth + 1),
                                                     device=seq.device, dtype=f.dtype, n_layer=1) for _ in layers]

@@ -116,14 +116,16 @@ def tapped_features(base, enc, prompts, y, taps, rows=16):
     return f.mul_((y >= 0)[..., None])                                               # padding's rows are ignored
 
 
-def texts(h, y, start):
+def texts(h, y, start, keep=True):
     """The distilled answers as lab/tree_choice.py scores them: one (seq (1, n + 1), start, features) per answer,
-    seq[0, t + 1] = y[t] (seq[0, 0] is never read: scoring starts at the prompt's last position)."""
+    seq[0, t + 1] = y[t] (seq[0, 0] is never read: scoring starts at the prompt's last position). The features
+    are the kept final hidden states h, or None (keep=False: a drafter that reads other layers, whose features
+    one forward over the text gives)."""
     out = []
-    for row in range(len(h)):
+    for row in range(len(y)):
         n = int((y[row] >= 0).sum())                                          # positions with a next token
         seq = torch.cat([y.new_zeros(1), y[row, :n]])
-        out.append((seq[None], int(start[row]), h[row, None, :n]))
+        out.append((seq[None], int(start[row]), h[row, None, :n] if keep else None))
     return out
 
 
@@ -171,15 +173,20 @@ def feature_precision(kind, model, base, enc, held_out, held, vocab, depth):
     """Where bf16 is native, the drafters train on a bf16 copy's features but draft from the features
     decoding computes. Their held-out top-1 by depth both ways, on the same answers: (fed the features
     of the model that decodes, fed the bf16 copy's features of the same text)."""
-    h, y, start = held
+    _, y, start = held
     low = copy.deepcopy(base).to(torch.bfloat16)
     firsts = torch.tensor([smollm.chat_tokens(enc, p)[0] for p in held_out])
-    h_low = torch.zeros_like(h)
-    for row in range(len(h)):
+    taps = getattr(model, "taps", None)                 # EAGLE-3 reads the inputs of these layers; EAGLE the last one
+    width = base.config.n_embd * (len(taps) if taps else 1)
+    f, f_low = (torch.zeros(*y.shape, width) for _ in range(2))
+    for row in range(len(y)):
         n = int((y[row] >= 0).sum())
-        seq = torch.cat([firsts[row:row + 1], y[row, :n - 1]]).to(base.lm_head.weight.device)  # the text, 0..n-1
-        h_low[row, :n] = low.hidden(seq[None])[0].to(h.dtype).cpu()
-    return [[a[0] for a in tree_choice.accuracies(kind, model, texts(f, y, start), depth, 1, vocab)] for f in (h, h_low)]
+        seq = torch.cat([firsts[row:row + 1], y[row, :n - 1]]).to(base.lm_head.weight.device)[None]  # the text, 0..n-1
+        for m, out in ((base, f), (low, f_low)):
+            out[row, :n] = (m.hidden(seq) if taps is None else m.hidden(seq, taps=taps)[1])[0].float().cpu()
+    dtype = model.base.lm_head.weight.dtype
+    return [[a[0] for a in tree_choice.accuracies(kind, model, texts(x.to(dtype), y, start), depth, 1, vocab)]
+            for x in (f, f_low)]
 
 
 def peer_modes(device):
@@ -318,6 +325,7 @@ def prepare(run, kind, kinds) -> Prepared:
     return Prepared(
         base=base, enc=enc, common={"base": info, "tokenizer": {"kind": "smollm2"}, "run": as_dict(run)},
         data=TrainingData(stored_batches(h, y, device, features), vocab=vocab.to(device)),
-        texts=lambda model: (texts(*held), texts(*held_sampled)), step_prompt=prompts[0], report_prompts=prompts,
+        texts=lambda model: (texts(*held, keep=getattr(model, "taps", None) is None),
+                             texts(*held_sampled, keep=getattr(model, "taps", None) is None)), step_prompt=prompts[0], report_prompts=prompts,
         tree_options=dict(max_tree=64, ranks=10, sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS),
         report_options=report_options, finish=finish)

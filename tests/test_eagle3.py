@@ -53,6 +53,19 @@ def test_the_base_gives_the_features_it_reads_from_the_forward_that_verifies():
     assert torch.equal(features, torch.cat(seen[1:4], -1))
 
 
+def test_its_accuracies_are_read_with_the_features_it_reads():
+    """The accuracies a tree is grown from, given the base's last hidden states (what EAGLE reads, and what
+    SmolLM2's distillation keeps), are refused in one line rather than computed wrong: EAGLE-3 reads three layers.
+    Given none, they are those of its own features, from one forward."""
+    from feature_drafter import chain_accuracies
+    model = random_eagle3(n_layer=4)
+    seq = torch.randint(0, 32, (2, 12))
+    with pytest.raises(ValueError, match="wide: this drafter reads"):
+        chain_accuracies(model, seq, 0, 3, 1, features=model.base.hidden(seq))
+    tapped = model.base.hidden(seq, taps=model.taps)[1]
+    assert chain_accuracies(model, seq, 0, 3, 1) == chain_accuracies(model, seq, 0, 3, 1, features=tapped)
+
+
 @pytest.mark.parametrize("tree", [STATIC, DynamicTree(topk=3, nodes=10, depth=4)], ids=["static", "dynamic"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_eagle3_equals_plain_greedy_on_a_random_gpt(tree, seed, device):
