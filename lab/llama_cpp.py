@@ -209,7 +209,9 @@ def side_by_side(runs, modes, table, drafted, prompts, n, stop_tokens) -> dict |
     stats = runs[spec, threads]["stats"]
     ours_drafted, ours_accepted = our_chain(d.kind, d.model, prompts, n, engine.chain, stop_tokens)
     plain_threads = next(t for t in table[PLAIN_ROW]["tokens_per_s_by_threads"] if (PLAIN_ROW, t) in runs)
-    same = [same_text(a, b) for a, b in zip(runs[spec, threads]["outputs"], runs[PLAIN_ROW, plain_threads]["outputs"])]
+    pairs = list(zip(runs[spec, threads]["outputs"], runs[PLAIN_ROW, plain_threads]["outputs"]))
+    same = [same_text(a, b) for a, b in pairs]
+    agreed = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs]
     drafter_greedy = max((name for name, m in modes.items() if m.drafter == d.name and m.sampling == "greedy"),
                          key=lambda name: table[name]["tokens_per_s"])
     return {"version": version(engine.folder), "drafter": d.name, "chain": engine.chain, "threads": threads,
@@ -217,7 +219,7 @@ def side_by_side(runs, modes, table, drafted, prompts, n, stop_tokens) -> dict |
                           "tokens_per_step": table[spec].get("tokens_per_step"),
                           "plain_tokens_per_s": table[PLAIN_ROW]["tokens_per_s"],
                           "speculative_tokens_per_s": table[spec]["tokens_per_s"], "speedup": table[spec]["speedup"],
-                          "identical": sum(same), "prompts": len(same)},
+                          "identical": sum(same), "prompts": len(same), "agreed": agreed},
             "ours": {"acceptance": ours_accepted / max(ours_drafted, 1), "chain_drafted": ours_drafted,
                      "best_mode": drafter_greedy, "tokens_per_step": table[drafter_greedy].get("tokens_per_step"),
                      "plain_tokens_per_s": table["plain greedy"]["tokens_per_s"],
@@ -238,7 +240,10 @@ def format_side_by_side(found) -> str:
         f"| medusa-mini ({ours['best_mode']}) | {ours['acceptance']:.1%} (same chain) | "
         f"{ours['tokens_per_step'] or 0:.2f} | {ours['plain_tokens_per_s']:.1f} | {ours['speculative_tokens_per_s']:.1f}"
         f" | {ours['speedup']:.2f}x |",
-        f"llama.cpp's greedy text with the drafter = its text without it: {ll['identical']} of {ll['prompts']} prompts"])
+        f"llama.cpp's greedy text with the drafter = its text without it: {ll['identical']} of {ll['prompts']} prompts"
+        + ("" if ll["identical"] == ll["prompts"] else
+           f" (tokens before they part, per prompt: {' '.join(map(str, ll.get('agreed', [])))}: its batched "
+           "verification computes other roundings than its one-token steps, as bf16 does here)")])
 
 
 

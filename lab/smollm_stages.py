@@ -116,15 +116,15 @@ def tapped_features(base, enc, prompts, y, taps, rows=16):
     return f.mul_((y >= 0)[..., None])                                               # padding's rows are ignored
 
 
-def texts(h, y, start, keep=True):
+def texts(h, y, start, first=0, keep=True):
     """The distilled answers as lab/tree_choice.py scores them: one (seq (1, n + 1), start, features) per answer,
-    seq[0, t + 1] = y[t] (seq[0, 0] is never read: scoring starts at the prompt's last position). The features
-    are the kept final hidden states h, or None (keep=False: a drafter that reads other layers, whose features
-    one forward over the text gives)."""
+    seq[0, t + 1] = y[t] and seq[0, 0] = first, each text's first token (the chat template's). The features are
+    the kept final hidden states h (then seq[0, 0] is never read), or None (keep=False: a drafter that reads
+    other layers, whose features one forward over the text gives: every position's depends on the first token)."""
     out = []
     for row in range(len(y)):
         n = int((y[row] >= 0).sum())                                          # positions with a next token
-        seq = torch.cat([y.new_zeros(1), y[row, :n]])
+        seq = torch.cat([y.new_full((1,), first), y[row, :n]])
         out.append((seq[None], int(start[row]), h[row, None, :n] if keep else None))
     return out
 
@@ -175,17 +175,17 @@ def feature_precision(kind, model, base, enc, held_out, held, vocab, depth):
     of the model that decodes, fed the bf16 copy's features of the same text)."""
     _, y, start = held
     low = copy.deepcopy(base).to(torch.bfloat16)
-    firsts = torch.tensor([smollm.chat_tokens(enc, p)[0] for p in held_out])
+    first = smollm.chat_tokens(enc, held_out[0])[0]                  # the chat template's first token, every text's
     taps = getattr(model, "taps", None)                 # EAGLE-3 reads the inputs of these layers; EAGLE the last one
     width = base.config.n_embd * (len(taps) if taps else 1)
     f, f_low = (torch.zeros(*y.shape, width) for _ in range(2))
     for row in range(len(y)):
         n = int((y[row] >= 0).sum())
-        seq = torch.cat([firsts[row:row + 1], y[row, :n - 1]]).to(base.lm_head.weight.device)[None]  # the text, 0..n-1
+        seq = torch.cat([y.new_full((1,), first), y[row, :n - 1]]).to(base.lm_head.weight.device)[None]  # 0..n-1
         for m, out in ((base, f), (low, f_low)):
             out[row, :n] = (m.hidden(seq) if taps is None else m.hidden(seq, taps=taps)[1])[0].float().cpu()
     dtype = model.base.lm_head.weight.dtype
-    return [[a[0] for a in tree_choice.accuracies(kind, model, texts(x.to(dtype), y, start), depth, 1, vocab)]
+    return [[a[0] for a in tree_choice.accuracies(kind, model, texts(x.to(dtype), y, start, first), depth, 1, vocab)]
             for x in (f, f_low)]
 
 
@@ -286,6 +286,7 @@ def prepare(run, kind, kinds) -> Prepared:
                 features = tapped_features(writer, enc, train_prompts, y, taps)
             tapped.save(True, features=features)
     del writer
+    first = smollm.chat_tokens(enc, held_out[0])[0]  # every chat text's first token (<|im_start|>)
     vocab = y[y >= 0].unique()  # (V',): the tokens the answers use; the drafters are trained and draft over them
     stops = smollm.stop_tokens(enc)
     prompts = [p.to(device) for p in chat_prompts(enc, held_out, run.report_prompts)]
@@ -325,7 +326,8 @@ def prepare(run, kind, kinds) -> Prepared:
     return Prepared(
         base=base, enc=enc, common={"base": info, "tokenizer": {"kind": "smollm2"}, "run": as_dict(run)},
         data=TrainingData(stored_batches(h, y, device, features), vocab=vocab.to(device)),
-        texts=lambda model: (texts(*held, keep=getattr(model, "taps", None) is None),
-                             texts(*held_sampled, keep=getattr(model, "taps", None) is None)), step_prompt=prompts[0], report_prompts=prompts,
+        texts=lambda model: (texts(*held, first, keep=getattr(model, "taps", None) is None),
+                             texts(*held_sampled, first, keep=getattr(model, "taps", None) is None)),
+        step_prompt=prompts[0], report_prompts=prompts,
         tree_options=dict(max_tree=64, ranks=10, sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS),
         report_options=report_options, finish=finish)
