@@ -242,8 +242,8 @@ def format_side_by_side(found) -> str:
         f" | {ours['speedup']:.2f}x |",
         f"llama.cpp's greedy text with the drafter = its text without it: {ll['identical']} of {ll['prompts']} prompts"
         + ("" if ll["identical"] == ll["prompts"] else
-           f" (tokens before they part, per prompt: {' '.join(map(str, ll.get('agreed', [])))}: its batched "
-           "verification computes other roundings than its one-token steps, as bf16 does here)")])
+           f" (tokens before they part, per prompt: {' '.join(map(str, ll.get('agreed', [])))}; llama.cpp's plain "
+           "text alone also changes with how many tokens it computes at once: docs/export.md)")])
 
 
 

@@ -1,5 +1,5 @@
 """Multi-token prediction (mtp.py): module k is trained on the token k + 1 ahead, sequentially, with
-the base; as a drafter (through eagle.FeatureDrafter) its output is plain greedy decoding's."""
+the base; as a drafter (through feature_drafter.FeatureDrafter) its output is plain greedy decoding's."""
 import pytest
 import torch
 import torch.nn.functional as F

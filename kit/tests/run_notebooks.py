@@ -41,7 +41,7 @@ def run(copy, name) -> dict:
     os.chdir(folder)
     sys.path.insert(0, folder)  # as a kernel started there has it
     InteractiveShell.clear_instance()
-    shell = InteractiveShell.instance()
+    shell = InteractiveShell.instance(colors="NoColor")  # a failing cell's traceback as plain text
     with open(name, encoding="utf-8") as f:
         cells = [c for c in json.load(f)["cells"] if c["cell_type"] == "code"]
     printed, error = io.StringIO(), None
