@@ -34,11 +34,11 @@ PRESETS = {
                  base_lr=3e-3, weight_decay=0.0, distill_prompts=64, distill_len=48, distill_sampled=0.5,
                  eagle_depth=4, eval_prompts=8, report_prompts=3, report_tokens=32, max_tree=16, rank_depth=6,
                  timing_rounds=1, num_heads=3, head_steps=150, head_lr=3e-3, joint_steps=30, eagle_steps=150,
-                 eagle_lr=3e-3),
+                 eagle_lr=3e-3, eagle3_steps=50),  # EAGLE-3 (4 steps unrolled) in EAGLE's training time
     "cpu": dict(vocab_size=2048, seq_len=128, n_layer=4, n_head=4, n_embd=256, batch_size=32, base_steps=1000,
                 base_lr=2e-3, weight_decay=0.0, distill_prompts=768, distill_len=112, distill_sampled=0.5,
                 eagle_depth=6, eval_prompts=48, report_prompts=10, report_tokens=96, max_tree=64, rank_depth=10,
-                timing_rounds=None),
+                timing_rounds=None, eagle3_steps=150),  # EAGLE's 300 steps' time (4 unrolled: 1.9 of its steps)
     "gpu": dict(vocab_size=2048, seq_len=256, n_layer=6, n_head=6, n_embd=384, batch_size=64, base_steps=800,
                 base_lr=1.5e-3, weight_decay=0.1, distill_prompts=4096, distill_len=192, distill_sampled=0.5,
                 eagle_depth=6, eval_prompts=128, report_prompts=16, report_tokens=192, max_tree=64, rank_depth=10,
@@ -48,7 +48,9 @@ PRESETS = {
 SMOLLM2 = dict(num_heads=4,          # the grown tree goes only as deep as the accuracies pay for
                share_lm_head=True,   # a copy of the 576 x 49152 projection is 28M parameters
                head_steps=400, head_lr=3e-3, eagle_steps=3200,
-               eagle_lr=1e-3)        # at the heads' 3e-3 the Llama draft layer stalls
+               eagle_lr=1e-3,        # at the heads' 3e-3 the Llama draft layer stalls
+               eagle3_steps=1000, eagle3_ttt=3,  # EAGLE-1's 3200 steps' time: a 3-step unroll costs 3.1 of its steps
+               eagle3_lr=1e-3)
 
 
 @dataclass

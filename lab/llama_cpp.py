@@ -155,8 +155,9 @@ def draft_file(model, to) -> str:
 
 
 def servable(kind) -> bool:
-    """Whether llama.cpp runs this drafter: its registry entry exports the format llama.cpp reads."""
-    return formats.LLAMA_CPP_FORMAT in (kind.exports or {})
+    """Whether llama.cpp runs this drafter: its registry entry writes the format llama.cpp reads (not refuses it)."""
+    target = (kind.exports or {}).get(formats.LLAMA_CPP_FORMAT)
+    return target is not None and target.convert is not None
 
 
 PLAIN_ROW, SPECULATIVE_ROW = "llama.cpp greedy", "llama.cpp + {name} chain of {chain}"

