@@ -54,5 +54,5 @@ def test_llama_cpp_accepts_our_exported_eagle3_drafter_as_our_verifier_does(fitt
     print(f"\nacceptance of a chain of {CHAIN}: llama.cpp {theirs:.2f} ({run.accepted}/{run.drafted}), "
           f"ours {ours:.2f} ({ours_accepted}/{ours_drafted})")
     assert ours > 0.6, "the layer did not fit its text: the test proves nothing"
-    assert abs(theirs - ours) < 0.1, (theirs, ours)  # measured: equal; q and k rows left in our order: 0.69 against 0.92
+    assert abs(theirs - ours) < 0.1, (theirs, ours)  # measured: 0.92 against 1.00; q and k rows left in our order: 0.69
     assert llama_cpp.same_text(plain[0].tolist(), drafted[0].tolist()), "llama.cpp's greedy text changed with our drafter"
