@@ -85,7 +85,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     base_kind = a.base
-    out = os.path.join(a.out, base_kind.folder)
+    out, hint = runs.drafters_folder(a.out, base_kind)
     present = [n for n in drafters.names() if os.path.exists(os.path.join(out, f"{n}.pt"))]
     if a.drafter:
         present = [a.drafter] if a.drafter in present else []
@@ -94,10 +94,10 @@ def main(argv=None):
     if not present and a.engine:
         runnable = [n for n in drafters.names() if llama_cpp.servable(drafters.get(n))]
         raise RunError(f"no drafter {a.engine} runs in {out}/ ({', '.join(f'{n}.pt' for n in runnable)}): run "
-                       f"train_heads.py --base {base_kind.name} --drafters {','.join(runnable)} first")
+                       f"train_heads.py --base {base_kind.name} --drafters {','.join(runnable)} first{hint}")
     if not present:
         raise RunError(f"no drafter in {out}/ ({', '.join(f'{n}.pt' for n in drafters.names())}): "
-                       f"run train_heads.py{' --base ' + base_kind.name if base_kind.folder else ''} first")
+                       f"run train_heads.py{' --base ' + base_kind.name if base_kind.folder else ''} first{hint}")
     folder.check_writable(out)  # before minutes of measuring
     if a.threads:
         torch.set_num_threads(a.threads)

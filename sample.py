@@ -77,7 +77,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     kind, base_kind = drafters.get(args.drafter), args.base
-    path = os.path.join(args.out, base_kind.folder, f"{args.drafter}.pt")
+    out, hint = runs.drafters_folder(args.out, base_kind)
+    path = os.path.join(out, f"{args.drafter}.pt")
+    if hint and not os.path.exists(path):
+        raise RunError(f"{path} not found{hint}")
     model, ckpt = runs.load_model(path, args.device, args.drafter, base_kind)
     dtype, why = decoding_dtype(args.dtype, args.device, base_kind)  # said after the text
     model = draft_cheaply(decoding_copy(model, dtype), args.device, base_kind)

@@ -16,6 +16,17 @@ def rerun_command(base_kind=None, drafter=None) -> str:
             + (f" --drafters {drafter}" if drafter else ""))
 
 
+def drafters_folder(out, base_kind) -> tuple[str, str]:
+    """(the folder holding a run's drafters: OUT, or OUT/smollm2 for SmolLM2, and what to say where `out` is
+    that folder itself, a common slip: "" otherwise)."""
+    inner = os.path.join(out, base_kind.folder)
+    slipped = base_kind.folder and not os.path.isdir(inner) and any(
+        os.path.exists(os.path.join(out, f"{name}.pt")) for name in drafters.names())
+    parent = os.path.dirname(os.path.abspath(out))
+    return inner, (f" (--out names the run's folder, whose {base_kind.folder}/ holds them: --out {parent})"
+                   if slipped else "")
+
+
 def load_model(path, device="cpu", drafter=None, base_kind=None, base=None):
     """Any drafter checkpoint, of any base -> (model, checkpoint), through the registries.
 

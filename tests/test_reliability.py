@@ -6,6 +6,7 @@ after another, and leave the folder as they found it."""
 import errno
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -304,6 +305,19 @@ def test_a_checkpoint_whose_fields_are_the_wrong_shape_is_one_line_naming_it(run
 def test_benchmark_refuses_more_tokens_than_the_context_holds(finished):
     with pytest.raises(UsageError, match=r"--tokens 8192: .* do not fit in the model's context of 128 tokens"):
         benchmark.main(["--out", str(finished), "--prompts", "1", "--tokens", "8192", "--threads", "1"])
+
+
+@pytest.mark.parametrize("command", [[benchmark.main], [benchmark.main, "--engine", "llama.cpp"],
+                                     [sample.main, "--drafter", "eagle3", "--chat", "hi"]])
+def test_a_command_pointed_at_smollm2s_own_folder_names_the_run_folder(tmp_path, command):
+    """--out is the run's folder (SmolLM2's drafters are in OUT/smollm2/): pointed at smollm2/ itself, the one line
+    says which folder to pass."""
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "eagle3.pt").write_bytes(b"")  # only its name is looked at before the refusal
+    main, *flags = command
+    said = f"--out names the run's folder, whose smollm2/ holds them: --out {tmp_path})"
+    with pytest.raises(RunError, match=re.escape(said)):
+        main(["--base", "smollm2", "--out", str(tmp_path / "smollm2"), *flags])
 
 
 @pytest.mark.parametrize("damage", ["empty", "cut"])
