@@ -38,12 +38,17 @@ def lm_head_rows(base, vocab=None):
     return (base.lm_head.weight, None) if vocab is None else (base.lm_head.weight[vocab], vocab)
 
 
-def base_features(model, seq):
+def base_features(model, seq, base=None):
     """What a feature drafter reads of the base on a text seq (B, T), from one forward: its last hidden states
-    (B, T, C), or, for a drafter that taps layers, their inputs (B, T, len(taps) * C)."""
-    if model.taps is None:
-        return model.base.hidden(seq)
-    return model.base.hidden(seq, taps=model.taps)[1]
+    (B, T, C), or, for a drafter that taps layers, their inputs (B, T, len(taps) * C). base: another copy of
+    the same base to read them from (default model.base)."""
+    base = model.base if base is None else base
+    return base.hidden(seq) if model.taps is None else base.hidden(seq, taps=model.taps)[1]
+
+
+def feature_width(model) -> int:
+    """How wide the features a feature drafter reads are: C, or len(taps) * C."""
+    return model.base.config.n_embd * (len(model.taps) if model.taps else 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +369,7 @@ def unroll(model, seq, depth, features=None, new_cache=None):
     B, T = seq.shape
     D = len(layers)
     f = base_features(model, seq) if features is None else features                 # (B, T, C) or (B, T, 3C)
-    width = base.config.n_embd * (len(model.taps) if model.taps else 1)
+    width = feature_width(model)
     if f.size(-1) != width:  # another drafter's features (EAGLE-3 reads three layers) would draft silently wrong
         raise ValueError(f"features {f.size(-1)} wide: this drafter reads {width} (taps {model.taps})")
     n = T - 1 - depth                                                                # positions with a token depth + 1 ahead

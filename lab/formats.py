@@ -317,8 +317,9 @@ GGUF_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm
 def interleaved_rows(weight, n_head: int):
     """rotate_half_rows undone: q or k rows back in the interleaved-pair layout llama.cpp's "normal" RoPE reads
     (the permutation its converter applies to Hugging Face's rows, conversion/llama.py LlamaModel.permute)."""
-    rows, C = weight.shape
-    return weight.reshape(n_head, 2, rows // n_head // 2, C).transpose(1, 2).reshape(rows, C)
+    rows, C = weight.shape                                                  # rows = n_head * head_dim
+    halves = weight.reshape(n_head, 2, rows // n_head // 2, C)             # (H, 2, hd/2, C): each head's two halves
+    return halves.transpose(1, 2).reshape(rows, C)                          # (H, hd/2, 2, C) -> pairs interleaved
 
 
 def write_eagle3_gguf(tensors, model, path, target=None):
@@ -335,9 +336,11 @@ def write_eagle3_gguf(tensors, model, path, target=None):
     for key, value in ((f"{arch}.target_hidden_size", cfg.n_embd), (f"{arch}.block_count", 1),
                        (f"{arch}.context_length", MAX_POSITIONS), (f"{arch}.embedding_length", cfg.n_embd),
                        (f"{arch}.feed_forward_length", cfg.n_hidden), (f"{arch}.attention.head_count", cfg.n_head),
-                       (f"{arch}.attention.head_count_kv", cfg.n_kv_head), (f"{arch}.attention.key_length", cfg.head_dim),
+                       (f"{arch}.attention.head_count_kv", cfg.n_kv_head),
+                       (f"{arch}.attention.key_length", cfg.head_dim),
                        (f"{arch}.attention.value_length", cfg.head_dim), (f"{arch}.rope.dimension_count", cfg.head_dim),
-                       (f"{arch}.vocab_size", cfg.vocab_size), ("general.file_type", 1), ("general.quantization_version", 2)):
+                       (f"{arch}.vocab_size", cfg.vocab_size), ("general.file_type", 1),
+                       ("general.quantization_version", 2)):
         writer.add_uint32(key, int(value))
     writer.add_bool(f"{arch}.norm_before_residual", False)
     writer.add_bool(f"{arch}.norm_before_fc", False)
@@ -392,10 +395,12 @@ def eagle3_engines(model, ckpt, shape, dtype, to) -> Files:
     notes = [f"vLLM and llama.cpp draft a chain of top-1 tokens ({chain} here, the depth of this checkpoint's tree, "
              f"{describe(shape)}); SGLang a tree of its own ranking (EAGLE-2's): the layer drafts exactly as here, "
              "the tree around it is each engine's.",
-             f"It drafts over {len(model.d2t):,} of the {cfg.vocab_size:,} tokens (the tokens of its training answers): "
+             f"It drafts over {len(model.d2t):,} of the {cfg.vocab_size:,} tokens (the tokens of its training "
+             "answers): "
              "token = id + d2t[id] (d2t holds offsets, as vLLM, SGLang and SafeAILab/EAGLE read it; the GGUF holds the "
              "token ids, as llama.cpp reads it).",
-             f"It reads the target's layers {list(model.taps)} (the residual stream entering them), the engines' default "
+             f"It reads the target's layers {list(model.taps)} (the residual stream entering them), the engines' "
+             "default "
              "for a 30-layer target: config.json names none.",
              "No embed_tokens: the engines give the draft the target's embedding, which it was trained with.",
              "draft-eagle3.gguf is this folder for llama.cpp: written with the `gguf` package as llama.cpp's converter "
@@ -411,7 +416,8 @@ MEDUSA_TARGETS = {
                      "SGLang has no Medusa loader (it serves EAGLE, EAGLE-3, MTP and draft models): "
                      "use --format vllm or --format reference"),
     "engines": Target(EAGLE3, LOADERS["eagle3 engines"], None, "the engines' EAGLE-3 folder holds one draft layer "
-                      "reading three of the target's layers; Medusa's heads are not one (llama.cpp has no Medusa loader either: docs/export.md). "
+                      "reading three of the target's layers; Medusa's heads are not one (llama.cpp has no Medusa "
+                      "loader either: docs/export.md). "
                      "Use --format vllm or --format reference"),
 }
 EAGLE_TARGETS = {
@@ -422,7 +428,8 @@ EAGLE_TARGETS = {
                    "this layer's fc has one (eagle.py, EagleLayer); vLLM's EAGLE-1 also has no truncated vocabulary. "
                    "Use --format sglang or --format reference"),
     "engines": Target(EAGLE3, LOADERS["eagle3 engines"], None, "the engines' EAGLE-3 layer reads three of the target's "
-                      "layers through fc (3C) and [norm(embedding); norm(feature)]; EAGLE-1's reads the last layer through "
+                      "layers through fc (3C) and [norm(embedding); norm(feature)]; EAGLE-1's reads the last layer "
+                      "through "
                      "fc([embedding; feature]) with a bias: the engines would compute another layer. Train EAGLE-3 "
                      "(--drafters eagle3), or use --format sglang or --format reference"),
 }

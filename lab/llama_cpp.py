@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +93,8 @@ class Engine:
     def __init__(self, enc, folder=None, target=None, draft=None, chain=DEFAULT_CHAIN):
         self.enc, self.folder, self.target = enc, folder or find(), target or smollm.gguf_path()
         self.draft, self.chain = draft, chain
-        self.tmp = tempfile.mkdtemp(prefix="llama_cpp_")
+        self.tmp = tempfile.mkdtemp(prefix="llama_cpp_")  # the prompt file and the draft; removed with the engine
+        weakref.finalize(self, shutil.rmtree, self.tmp, ignore_errors=True)
         self.stops = [enc.decode([t]) for t in smollm.stop_tokens(enc)]
 
     def _prompt(self, idx):
@@ -132,7 +134,8 @@ class Engine:
         drafted = _number(r"n_drafted\s*=\s*(\d+)", err, int)
         return (self._result(idx, out[len(text):] if out.startswith(text) else out, n_new),
                 EngineRun(seconds, _number(r"n_predict\s*=\s*(\d+)", err, int), drafted,
-                          _number(r"n_accept\s*=\s*(\d+)", err, int), -(-drafted // self.chain)))
+                          _number(r"n_accept\s*=\s*(\d+)", err, int),
+                          -(-drafted // self.chain)))  # steps: a chain each, the last maybe cut short
 
 
 def same_text(a, b) -> bool:

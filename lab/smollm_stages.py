@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 import smollm
+from feature_drafter import base_features, feature_width
 from kv_cache import KVCache
 from lab import checkpoints, llama_cpp, tree_choice
 from lab.chat_prompts import instruction_prompts, same_length_batches
@@ -124,7 +125,7 @@ def texts(h, y, start, first=0, keep=True):
     out = []
     for row in range(len(y)):
         n = int((y[row] >= 0).sum())                                          # positions with a next token
-        seq = torch.cat([y.new_full((1,), first), y[row, :n]])
+        seq = torch.cat([y.new_full((1,), first), y[row, :n]])               # (n + 1,)
         out.append((seq[None], int(start[row]), h[row, None, :n] if keep else None))
     return out
 
@@ -169,21 +170,18 @@ def best_threads(costs):
 
 
 @torch.no_grad()
-def feature_precision(kind, model, base, enc, held_out, held, vocab, depth):
+def feature_precision(kind, model, base, first, held, vocab, depth):
     """Where bf16 is native, the drafters train on a bf16 copy's features but draft from the features
     decoding computes. Their held-out top-1 by depth both ways, on the same answers: (fed the features
-    of the model that decodes, fed the bf16 copy's features of the same text)."""
+    of the model that decodes, fed the bf16 copy's features of the same text). first: every text's first token."""
     _, y, start = held
     low = copy.deepcopy(base).to(torch.bfloat16)
-    first = smollm.chat_tokens(enc, held_out[0])[0]                  # the chat template's first token, every text's
-    taps = getattr(model, "taps", None)                 # EAGLE-3 reads the inputs of these layers; EAGLE the last one
-    width = base.config.n_embd * (len(taps) if taps else 1)
-    f, f_low = (torch.zeros(*y.shape, width) for _ in range(2))
+    f, f_low = (torch.zeros(*y.shape, feature_width(model)) for _ in range(2))  # (N, L, C), or 3C for EAGLE-3
     for row in range(len(y)):
         n = int((y[row] >= 0).sum())
-        seq = torch.cat([y.new_full((1,), first), y[row, :n - 1]]).to(base.lm_head.weight.device)[None]  # 0..n-1
+        seq = torch.cat([y.new_full((1,), first), y[row, :n - 1]]).to(base.lm_head.weight.device)[None]  # (1, n)
         for m, out in ((base, f), (low, f_low)):
-            out[row, :n] = (m.hidden(seq) if taps is None else m.hidden(seq, taps=taps)[1])[0].float().cpu()
+            out[row, :n] = base_features(model, seq, base=m)[0].float().cpu()
     dtype = model.base.lm_head.weight.dtype
     return [[a[0] for a in tree_choice.accuracies(kind, model, texts(x.to(dtype), y, start, first), depth, 1, vocab)]
             for x in (f, f_low)]
@@ -304,7 +302,7 @@ def prepare(run, kind, kinds) -> Prepared:
         for d in drafted:  # trained on a bf16 copy's features, drafting from fp32 ones: does it cost?
             if fast and d.model.base.lm_head.weight.dtype == torch.float32:
                 precision[d.name] = dict(zip(("fp32", "bf16"), feature_precision(
-                    d.kind, d.model, base, enc, held_out, held, vocab.to(device), d.kind.depth(d.model, run))))
+                    d.kind, d.model, base, first, held, vocab.to(device), d.kind.depth(d.model, run))))
                 print(f"{d.name}: held-out top-1 by depth fed the fp32 features decoding reads " +
                       " ".join(f"{a:.3f}" for a in precision[d.name]["fp32"]) + "; fed a bf16 copy's (as in training) "
                       + " ".join(f"{a:.3f}" for a in precision[d.name]["bf16"]))
@@ -326,8 +324,8 @@ def prepare(run, kind, kinds) -> Prepared:
     return Prepared(
         base=base, enc=enc, common={"base": info, "tokenizer": {"kind": "smollm2"}, "run": as_dict(run)},
         data=TrainingData(stored_batches(h, y, device, features), vocab=vocab.to(device)),
-        texts=lambda model: (texts(*held, first, keep=getattr(model, "taps", None) is None),
-                             texts(*held_sampled, first, keep=getattr(model, "taps", None) is None)),
+        texts=lambda model: tuple(texts(*answers, first, keep=getattr(model, "taps", None) is None)
+                                  for answers in (held, held_sampled)),
         step_prompt=prompts[0], report_prompts=prompts,
         tree_options=dict(max_tree=64, ranks=10, sizes=list(COST_SIZES), repeats=COST_REPEATS, n_new=COST_TOKENS),
         report_options=report_options, finish=finish)
