@@ -15,7 +15,7 @@ class TimedDrafter(Drafter):
     """A drafter whose propose() and commit() are timed (seconds per call, in `seconds`)."""
 
     def __init__(self, drafter, device):
-        self.inner, self.device, self.nodes = drafter, device, drafter.nodes
+        self.inner, self.device, self.nodes, self.taps = drafter, device, drafter.nodes, drafter.taps
         self.seconds = {"propose": [], "commit": []}
 
     def start(self, state, h):

@@ -98,15 +98,16 @@ def run_finished(path):
 
 
 def tiny_run(out=None, device="cpu"):
-    """The folder of the tiny preset's run with Medusa and EAGLE (out/tiny/, beside the project, by
+    """The folder of the tiny preset's run with Medusa, EAGLE and EAGLE-3 (out/tiny/, beside the project, by
     default): trained once (a minute or two on a CPU), kept, and reused by the notebooks in fast mode and
     by the command tests. Files of an earlier layout there are trained again."""
     out = os.path.join(out or os.path.join(ROOT, "out"), "tiny")
     with folder.waiting_lock(os.path.join(os.path.dirname(out), ".tiny.lock")):  # two notebooks at once: one trains
-        if not run_finished(os.path.join(out, "eagle.pt")):
-            retrain = tuple(n[:-3] for n in ("base.pt", "distill.pt", "medusa.pt", "eagle.pt")
+        names = ("medusa", "eagle", "eagle3")
+        if not all(run_finished(os.path.join(out, f"{n}.pt")) for n in names):
+            retrain = tuple(n[:-3] for n in ("base.pt", "distill.pt", "medusa.pt", "eagle.pt", "eagle3.pt")
                             if os.path.exists(os.path.join(out, n)))
-            pipeline.run(gpt_run("tiny", out=out, device=device, drafters=("medusa", "eagle"), retrain=retrain))
+            pipeline.run(gpt_run("tiny", out=out, device=device, drafters=names, retrain=retrain))
     return out
 
 

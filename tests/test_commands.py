@@ -178,3 +178,12 @@ def test_ablations_that_do_not_decode_refuse_dtype(flag):
     judges training alone."""
     with pytest.raises(UsageError, match="--dtype: .* judges what training gives"):
         ablation.parse_args(flag + ["--dtype", "bfloat16"])
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle", "eagle3"])
+def test_breakdown_times_each_drafter(drafter, capsys):
+    """benchmark.py --breakdown on the tiny run's drafters, EAGLE-3's fused taps included (its timed wrapper
+    once dropped them, and the tree pass read the wrong features)."""
+    from conftest import tiny_run_folder
+    benchmark.main(["--out", tiny_run_folder(), "--breakdown", "--drafter", drafter, "--tokens", "8"])
+    assert "drafting" in capsys.readouterr().out
