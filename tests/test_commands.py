@@ -182,8 +182,16 @@ def test_ablations_that_do_not_decode_refuse_dtype(flag):
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle", "eagle3"])
 def test_breakdown_times_each_drafter(drafter, capsys):
-    """benchmark.py --breakdown on the tiny run's drafters, EAGLE-3's fused taps included (its timed wrapper
-    once dropped them, and the tree pass read the wrong features)."""
-    from conftest import tiny_run_folder
-    benchmark.main(["--out", tiny_run_folder(), "--breakdown", "--drafter", drafter, "--tokens", "8"])
-    assert "drafting" in capsys.readouterr().out
+    """What benchmark.py --breakdown runs (lab.breakdown), on each drafter of a small random GPT, EAGLE-3's
+    fused taps included (its timed wrapper once dropped them, and the tree pass read the wrong features)."""
+    from conftest import tiny_config
+    from lab import breakdown, drafters
+    from medusa_mini import GPT
+    torch.manual_seed(0)
+    kind = drafters.get(drafter)
+    base = GPT(tiny_config())
+    model = (kind.model(base, draft_vocab_size=8) if drafter == "eagle3" else kind.model(base)).eval()
+    if drafter == "eagle3":
+        model.set_vocab(torch.arange(8))
+    got = breakdown.breakdown(kind, model, torch.tensor([[1, 2, 3, 4]]), [(0,), (0, 0)], n_new=8, rounds=1)
+    assert got["tokens_per_step"] >= 1 and "drafting" in capsys.readouterr().out
