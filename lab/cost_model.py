@@ -50,9 +50,13 @@ def speedup_limit(theta, c):
 def weight_bytes(module, dtype=None):
     """Bytes of a module's parameters, each counted once (a tied lm_head and embedding are one tensor), as
     stored, or in `dtype` if given. Works on a model built on the meta device (no weights needed)."""
+    return _bytes({id(p): p for p in module.parameters()}.values(), dtype)
+
+
+def _bytes(params, dtype=None):
+    """Bytes of these parameters, as stored, or in `dtype` if given."""
     size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-    unique = {id(p): p for p in module.parameters()}.values()
-    return sum(p.numel() * (size or p.element_size()) for p in unique)
+    return sum(p.numel() * (size or p.element_size()) for p in params)
 
 
 def read_bytes(module, dtype=None):
@@ -61,8 +65,7 @@ def read_bytes(module, dtype=None):
     tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     skipped = [p for p in {id(p): p for p in module.parameters()}.values() if id(p) in tables - heads]
-    size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-    return weight_bytes(module, dtype) - sum(p.numel() * (size or p.element_size()) for p in skipped)
+    return weight_bytes(module, dtype) - _bytes(skipped, dtype)
 
 
 def pass_seconds(nbytes, bandwidth, fixed=0.0):

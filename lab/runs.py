@@ -105,8 +105,7 @@ def tiny_run(out=None, device="cpu"):
     with folder.waiting_lock(os.path.join(os.path.dirname(out), ".tiny.lock")):  # two notebooks at once: one trains
         names = ("medusa", "eagle", "eagle3")
         if not all(run_finished(os.path.join(out, f"{n}.pt")) for n in names):
-            retrain = tuple(n[:-3] for n in ("base.pt", "distill.pt", "medusa.pt", "eagle.pt", "eagle3.pt")
-                            if os.path.exists(os.path.join(out, n)))
+            retrain = tuple(n for n in ("base", "distill", *names) if os.path.exists(os.path.join(out, f"{n}.pt")))
             pipeline.run(gpt_run("tiny", out=out, device=device, drafters=names, retrain=retrain))
     return out
 

@@ -109,15 +109,20 @@ FIGURE = re.compile(r"(?<![\w.])\d+\.\d+(?:x|%)?|(?<![\w.])\d+(?:x|%)(?!\w)")  #
 REFERENCE = re.compile(r"\b(?:[Ss]ections?|Figs?\.|Table|arXiv)\s+\d+(?:\.\d+)*(?:\s*(?:,|and|-)\s*\d+(?:\.\d+)*)*")
 
 
+def without_markup(markdown):
+    """A markdown cell with its code blocks left out, and each code span and formula (LaTeX) standing as one
+    word, x; link targets left out."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    text = re.sub(r"`[^`]*`", " x ", text)
+    text = re.sub(r"\$\$.*?\$\$", " x ", text, flags=re.S)
+    text = re.sub(r"\$[^$\n]*\$", " x ", text)
+    return re.sub(r"\]\([^)]*\)", "]", text)
+
+
 def prose_figures(markdown):
     """The decimal numbers, percentages and Nx of a markdown cell's prose: code, LaTeX, link targets and
     section, figure or table numbers left out."""
-    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    text = re.sub(r"`[^`]*`", "", text)
-    text = re.sub(r"\$\$.*?\$\$", "", text, flags=re.S)
-    text = re.sub(r"\$[^$\n]*\$", "", text)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    return FIGURE.findall(REFERENCE.sub("", text))
+    return FIGURE.findall(REFERENCE.sub("", without_markup(markdown)))
 
 
 def allowed_numbers():
@@ -193,14 +198,9 @@ WORD = re.compile(r"[A-Za-z0-9][\w'’.-]*")
 
 
 def prose(markdown):
-    """A markdown cell's running prose: code blocks and spans, LaTeX, tables, headings and link targets
-    left out (a formula or a table is not a sentence to read aloud)."""
-    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    text = re.sub(r"\$\$.*?\$\$", " x ", text, flags=re.S)
-    text = re.sub(r"\$[^$\n]*\$", " x ", text)
-    text = re.sub(r"`[^`]*`", " x ", text)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    return "\n".join(line for line in text.splitlines() if not re.match(r"\s*(\||#)", line))
+    """A markdown cell's running prose: without_markup, and tables and headings left out too (a table is
+    not a sentence to read aloud)."""
+    return "\n".join(line for line in without_markup(markdown).splitlines() if not re.match(r"\s*(\||#)", line))
 
 
 def sentence_lengths(markdown):
