@@ -7,6 +7,7 @@ downloaded at run time); the tokenizer is a tiktoken Encoding built from the sam
 
 Shapes: B batch, T new tokens, S cached tokens, C = n_embd, nh query heads, nkv KV heads, hs head size.
 """
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -205,8 +206,16 @@ def gguf_path() -> str:
 
 
 def read_gguf(path=None):
+    """The GGUF file's reader (read-only: it maps the file), parsed once per process: parsing its 49,152-token
+    vocabulary takes seconds, and loading the model, its tokenizer and an export each read it."""
+    path = os.path.realpath(path or gguf_path())
+    return _reader(path, os.stat(path).st_mtime_ns)  # a file rewritten since is parsed again
+
+
+@functools.cache
+def _reader(path, mtime):
     import gguf
-    return gguf.GGUFReader(path or gguf_path())
+    return gguf.GGUFReader(path)
 
 
 def _field(reader, key):

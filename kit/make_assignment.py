@@ -216,7 +216,7 @@ What runs in this copy now, and what waits:
   with the reference code (in `out/tiny/`, and in `out/` when there was a full run): a cell that needs
   an assignment not written yet prints one line saying which, and is skipped (the first code cell of
   each notebook, written into this copy, arranges it). To run them all as the tests do:
-  `MEDUSA_FAST=1 python -m pytest --nbmake notebooks`.
+  `MEDUSA_FAST=1 python -m pytest -p nbmake --nbmake notebooks`.
 - **The commands** stop with one line naming the first assignment they wait for, before they load or
   train anything (their first line, written into this copy, checks it); `sample.py --out out/tiny`
   uses the model the copy came with:

@@ -99,14 +99,16 @@ def run_finished(path):
 
 def tiny_run(out=None, device="cpu"):
     """The folder of the tiny preset's run with Medusa, EAGLE and EAGLE-3 (out/tiny/, beside the project, by
-    default): trained once (a minute or two on a CPU), kept, and reused by the notebooks in fast mode and
-    by the command tests. Files of an earlier layout there are trained again."""
+    default): trained once (under a minute on a CPU), kept, and reused by the notebooks in fast mode and
+    by the command tests. Files of an earlier layout there are trained again. It runs on one thread, as the
+    course does (notebooks/course.py): a second thread beside a busy core, as in the test suite's other
+    worker, makes it slower, not faster."""
     out = os.path.join(out or os.path.join(ROOT, "out"), "tiny")
     with folder.waiting_lock(os.path.join(os.path.dirname(out), ".tiny.lock")):  # two notebooks at once: one trains
         names = ("medusa", "eagle", "eagle3")
         if not all(run_finished(os.path.join(out, f"{n}.pt")) for n in names):
             retrain = tuple(n for n in ("base", "distill", *names) if os.path.exists(os.path.join(out, f"{n}.pt")))
-            pipeline.run(gpt_run("tiny", out=out, device=device, drafters=names, retrain=retrain))
+            pipeline.run(gpt_run("tiny", out=out, device=device, drafters=names, retrain=retrain, threads=1))
     return out
 
 

@@ -5,7 +5,7 @@ Each notebook runs in a kernel of its own (nbclient, which nbmake and nbconvert 
 MEDUSA_FAST=1 in the kernel's environment, so the notebooks use the tiny model here even on a machine
 where `python train_heads.py` has written a real out/medusa.pt; the tiny model is trained first, once.
 The same runs by hand, through nbmake (the pytest plugin, pinned in requirements.txt):
-MEDUSA_FAST=1 python -m pytest --nbmake notebooks. The other tests read the committed notebooks (their
+MEDUSA_FAST=1 python -m pytest -p nbmake --nbmake notebooks. The other tests read the committed notebooks (their
 code and the outputs of the run that made them). How long each takes is in docs/results.md, not here.
 """
 import ast
@@ -15,9 +15,7 @@ import os
 import re
 import sys
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 from conftest import tiny_run_folder
 
@@ -56,6 +54,8 @@ def test_the_course_has_nine_numbered_notebooks():
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom_in_fast_mode(notebook, monkeypatch):
     """Every cell runs without error, offline, on the tiny model."""
+    import nbformat  # here, not above: importing it takes a second, which a worker that runs no notebook saves
+    from nbclient import NotebookClient
     tiny_run_folder()  # trained once, before the first notebook
     monkeypatch.setenv("MEDUSA_FAST", "1")  # the kernel inherits this process's environment
     monkeypatch.delenv("MPLBACKEND", raising=False)  # inline plots, as a reader sees them

@@ -22,6 +22,14 @@ def smol():
     return smollm2_or_skip(512)
 
 
+@pytest.fixture(scope="session")
+def colours(smol):
+    """(a chat prompt, plain greedy's 20 tokens after it): the text the speculative tests below must write."""
+    model, enc, _ = smol
+    idx = torch.tensor([smollm.chat_tokens(enc, "Name three colours.")])
+    return idx, generate(model, idx, 20)
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch):
     """Without the wheel the loader raises one line with the install command; it never downloads."""
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
@@ -151,35 +159,34 @@ def test_tree_forward_equals_per_path_forwards(smol):
             torch.testing.assert_close(tree_logits[i], plain, atol=2e-3, rtol=0)
 
 
-def test_greedy_medusa_equals_plain_greedy(smol):
+def test_greedy_medusa_equals_plain_greedy(smol, colours):
     """medusa_generate, unchanged, on this model with heads sharing its lm_head: identical greedy tokens."""
-    model, enc, _ = smol
+    model, _, _ = smol
     torch.manual_seed(0)
     medusa = MedusaModel(model, num_heads=3, share_lm_head=True).eval()
     with torch.no_grad():
         for head in medusa.heads:
             head.residual.weight.normal_(0, 0.02)  # drafts that are sometimes right, mostly wrong
     assert sum(p.numel() for p in medusa.heads.parameters()) == 3 * (576 * 576 + 576)
-    idx = torch.tensor([smollm.chat_tokens(enc, "Name three colours.")])
-    plain = generate(model, idx, 20)
+    idx, plain = colours
     fast, stats = medusa_generate(medusa, idx, 20, dense_tree([2, 2, 1]))
     assert torch.equal(fast, plain)
     assert len(stats.token_depths) == 20
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_greedy_eagle_equals_plain_greedy(smol, tree):
+def test_greedy_eagle_equals_plain_greedy(smol, colours, tree):
     """feature_generate, unchanged, on this model with an EAGLE layer of its own kind (a Llama block, RoPE):
     identical greedy tokens, on a static tree and on EAGLE-2's dynamic tree. The layer is untrained
     (its drafts are mostly wrong); the SmolLM2 report checks a trained one on every held-out prompt."""
     from eagle import EagleModel
     from feature_drafter import feature_generate
     from feature_drafter import DynamicTree
-    model, enc, _ = smol
+    model, _, _ = smol
     torch.manual_seed(0)
     eagle = EagleModel(model).eval()
-    idx = torch.tensor([smollm.chat_tokens(enc, "Name three colours.")])
-    plain = generate(model, idx, 16)
+    idx, plain = colours
+    plain = plain[:, :idx.size(1) + 16]  # greedy's first 16 tokens: those of a 16-token run
     shape = dense_tree([2, 2, 1]) if tree == "static" else DynamicTree(topk=2, nodes=5, depth=3)
     fast, stats = feature_generate(eagle, idx, 16, shape)
     assert torch.equal(fast, plain)
