@@ -71,8 +71,8 @@ def periodic_batch(batch, length, generator):
     return torch.stack([seq[(s + torch.arange(length + 1)) % len(PERIOD)] for s in starts])
 
 
-CORE = {"test_model.py", "test_tree.py", "test_decoding.py", "test_eagle.py", "test_eagle3.py", "test_mtp.py", "test_step_cost.py",
-        "test_imports.py", "test_house.py"}  # python -m pytest -m core: what to run after each edit of the core
+CORE = {"test_model.py", "test_tree.py", "test_decoding.py", "test_distribution.py", "test_eagle.py", "test_eagle3.py",
+        "test_mtp.py", "test_step_cost.py", "test_imports.py", "test_house.py"}  # python -m pytest -m core: what to run after each edit of the core
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,8 @@ from feature_drafter import DynamicTree, FeatureDrafter, chain_mask, feature_gen
 import feature_drafter
 from kv_cache import KVCache
 from medusa_mini import GPT, generate
-from test_decoding import MARKOV, N_DRAWS, V_SMALL, assert_follows, skewed_model
+from test_decoding import MARKOV, V_SMALL, skewed_model
+from test_distribution import N_DRAWS, assert_follows
 from lab.distribution import true_joint
 
 STATIC = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]

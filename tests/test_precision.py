@@ -14,7 +14,8 @@ from conftest import random_medusa
 from lab import bases, devices, dtypes, packing
 from lab.distribution import true_joint
 from medusa_mini import generate, medusa_generate
-from test_decoding import N_DRAWS, SEEDS, TREE_2, V_SMALL, assert_follows, skewed_eagle, skewed_model, skewed_mtp
+from test_decoding import SEEDS, TREE_2, V_SMALL, skewed_eagle, skewed_model, skewed_mtp
+from test_distribution import N_DRAWS, assert_follows
 from test_eagle3 import skewed_eagle3
 from tree import build_tree_buffers
 from kv_cache import KVCache
