@@ -1,7 +1,6 @@
 """The commands: every flag takes effect or is refused in one line, on every base, and a device this
 machine or this torch build does not have is named, with what to install. CUDA and MPS are stood in
 for on the CPU by patching what torch reports."""
-import dataclasses
 import os
 import subprocess
 import sys

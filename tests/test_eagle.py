@@ -94,7 +94,7 @@ def perfect_clock_layer(reads):
       parent's predicted feature (the root's: the base's at the last committed position)."""
     base, e = clock_gpt()
     eagle = EagleModel(base)
-    C, V = base.config.n_embd, base.config.vocab_size
+    C = base.config.n_embd
     shift = e.T @ e.roll(1, dims=0)                                     # (C, C): P e_v = e_{v+1}, for v < V
     with torch.no_grad():
         blocks = {"token": [torch.eye(C), torch.zeros(C, C)], "feature": [torch.zeros(C, C), shift]}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import smollm
 from conftest import assert_same_tokens, tiny_config, trained_once
 from eagle3 import Eagle3Model, GrowingCache, feature_layers, ttt_loss
-from feature_drafter import DynamicTree, FeatureDrafter, chain_mask, feature_generate, unroll
+from feature_drafter import DynamicTree, chain_mask, feature_generate, unroll
 import feature_drafter
 from kv_cache import KVCache
 from medusa_mini import GPT, generate

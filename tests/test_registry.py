@@ -17,7 +17,7 @@ from lab import checkpoints, data, drafters, report, runs, tree_choice
 from lab.checkpoints import BaseInfo, Checkpoint, DrafterInfo
 from lab.drafters import DrafterKind
 from medusa_mini import GPT, GPTConfig, generate
-from tree import build_tree_buffers, gather_paths, tree_cuts
+from tree import gather_paths, tree_cuts
 from verify import Draft, Drafter, speculative_generate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -197,7 +197,7 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
     """distill() keeps the hidden states generate() computed: h[i, t] is the state at position t of
     prompt + answer, equal to a fresh forward over it, and y[i, t] the greedy token at t+1, cut after
     <|im_end|>; equal-length prompts share a batch."""
-    from lab import chat_prompts, smollm_stages
+    from lab import smollm_stages
     model, enc, _ = smol
     prompts = ["What is the moon?", "What is a bee?", "Explain gravity to a ten-year-old."]
     h, y, start = smollm_stages.distill(model, enc, prompts, n_new=6)
@@ -214,7 +214,7 @@ def test_distilled_hidden_states_are_the_ones_a_forward_computes(smol):
 
 def test_passage_prompts_have_the_asked_length(smol):
     """Passage prompts are cut to one token length, so that distillation batches them together."""
-    from lab import chat_prompts, smollm_stages
+    from lab import chat_prompts
     _, enc, _ = smol
     text = data.load_plays()["macbeth"][:3000]
     for task in chat_prompts.TASKS:
@@ -225,7 +225,7 @@ def test_passage_prompts_have_the_asked_length(smol):
 def test_held_out_prompts_do_not_depend_on_the_training_prompts(smol):
     """The held-out prompts are drawn first: more or fewer training prompts leave them unchanged (the
     trees are grown from their answers and the report decodes them), and none of them is a training prompt."""
-    from lab import chat_prompts, smollm_stages
+    from lab import chat_prompts
     _, enc, _ = smol
     train_a, held_a = chat_prompts.instruction_prompts(enc, shakespeare=6, general=10, held_out=6)
     train_b, held_b = chat_prompts.instruction_prompts(enc, shakespeare=12, general=4, held_out=6)
