@@ -30,6 +30,30 @@ def colours(smol):
     return idx, generate(model, idx, 20)
 
 
+def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
+    """read_gguf keeps one reader per file (parsing SmolLM2's takes seconds), and parses the file again once
+    it is rewritten: a reader never answers for a file's old content."""
+    import os
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "x.gguf"
+
+    def write(value, mtime_ns):  # a new file put in place, as a reinstall or an atomic write does
+        writer = gguf.GGUFWriter(str(tmp_path / "new.gguf"), "llama")
+        writer.add_uint32("test.value", value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp_path / "new.gguf", path)
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+    write(1, 10**18)
+    first = smollm.read_gguf(str(path))
+    assert smollm.read_gguf(str(path)) is first and first.fields["test.value"].contents() == 1
+    write(2, 10**18 + 10**9)
+    assert smollm.read_gguf(str(path)).fields["test.value"].contents() == 2
+
+
 def test_missing_wheel_says_how_to_install(monkeypatch):
     """Without the wheel the loader raises one line with the install command; it never downloads."""
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
